@@ -1,0 +1,46 @@
+# The front door for people and CI alike.
+#   make html          build the site, running every tutorial (GPU: full size; no GPU: Triton interpreter)
+#   make html-noplot   build the pages without running the tutorials (quick writing)
+#   make test          run the whole test suite (what CI runs)
+#   make serve         serve build/html on http://127.0.0.1:$(PORT)
+#   make clean         remove everything the build made
+# By default everything runs in .venv, made from requirements.txt. To use a Python that already has
+# CUDA PyTorch and Triton (a GPU box), point at it: make html PYTHON=python3
+
+VENV   := .venv
+STAMP  := $(VENV)/.installed
+ifeq ($(origin PYTHON), undefined)
+PYTHON := $(VENV)/bin/python
+SETUP  := $(STAMP)
+else
+SETUP  :=
+endif
+SPHINXOPTS ?= -W --keep-going
+PORT   ?= 8000
+BUILD  := build
+
+.PHONY: html html-noplot test serve clean venv
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt
+	python3 -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV)/bin/python -m pip install --quiet -r requirements.txt
+	touch $@
+
+html: $(SETUP)
+	$(PYTHON) -m sphinx -b html $(SPHINXOPTS) -d $(BUILD)/doctrees docs $(BUILD)/html
+
+html-noplot: $(SETUP)
+	$(PYTHON) -m sphinx -b html $(SPHINXOPTS) -D sphinx_gallery_conf.plot_gallery=0 -d $(BUILD)/doctrees docs $(BUILD)/html
+
+test: $(SETUP)
+	$(PYTHON) -m pytest tests
+
+serve:
+	@test -f $(BUILD)/html/index.html || { echo "no site in $(BUILD)/html: run 'make html' first" >&2; exit 1; }
+	python3 -m http.server $(PORT) --bind 127.0.0.1 --directory $(BUILD)/html
+
+clean:
+	rm -rf $(BUILD) docs/tutorials docs/sg_execution_times.rst
