@@ -1,0 +1,381 @@
+"""
+Softmax over rows too long for one tile
+=======================================
+
+The fused softmax of the previous lesson keeps a whole row in registers. That stops working once a
+row is longer than a program's registers can hold. This lesson walks a row in chunks instead, first
+with three passes over it, then with two, using the *online softmax* trick that FlashAttention is
+built on.
+
+You will learn:
+
+* why the one-tile kernel stops scaling, and what it costs to walk a row in chunks;
+* the three-pass softmax (max, sum, normalize) and the bytes it moves;
+* the online softmax of Milakov and Gimelshein (2018), derived step by step: a running maximum
+  with a rescaled running sum, in two passes;
+* why ``exp2`` with :math:`\\log_2 e` folded into the input is the exponential to use;
+* how far a single program can stretch before a row must leave the chip, measured against
+  ``torch.softmax`` and ``torch.compile`` as fractions of the copy bandwidth.
+"""
+
+# %%
+# Where the kernels run
+# ---------------------
+# As in every lesson: a CUDA GPU when there is one, otherwise the Triton interpreter on the CPU,
+# switched on before the first ``@triton.jit``.
+
+import os
+
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+
+# %%
+# Why one tile per row stops scaling
+# ----------------------------------
+# A Triton program runs on one streaming multiprocessor (SM). Everything it holds at once lives in
+# that SM's registers (64K 32-bit registers, 256 KiB, on an H100) and shared memory (up to 228 KiB).
+# A row of :math:`N = 65{,}536` fp32 values is 256 KiB: it cannot sit in one program's registers
+# next to the temporaries the math needs, and the compiler *spills* the rest to local memory, which
+# is device memory behind the caches. Past that point, a kernel must walk the row in chunks of
+# ``BLOCK_N`` elements. The price: a softmax needs the row's maximum and sum before it can write a
+# single output, so each chunk must be read more than once.
+#
+# Three passes
+# ------------
+# The direct translation of the definition walks the row three times: once for the maximum
+# :math:`m`, once for the sum :math:`d = \sum_j e^{x_j - m}`, once to write
+# :math:`y_j = e^{x_j - m} / d`. That is :math:`3MN` elements read and :math:`MN` written: half the
+# speed of an ideal one-pass kernel, before anything else goes wrong.
+#
+# Two details make every kernel below cheaper. First, the exponential: GPUs have a hardware
+# instruction for :math:`2^x`, and :math:`e^x = 2^{x \log_2 e}`. Scaling :math:`x` by
+# :math:`\log_2 e` once when it is loaded turns every later exponential into a bare ``exp2``, and
+# the maximum of the scaled row is the scaled maximum, so nothing else changes. Second, the chunk's
+# maximum and sum are kept *per lane* (a vector of ``BLOCK_N`` partial results) and reduced across
+# the lanes only once, after the loop, instead of once per chunk.
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def three_pass_kernel(x_ptr, y_ptr, N, x_row_stride, x_col_stride, y_row_stride, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    y_row = y_ptr + row * y_row_stride
+    cols = tl.arange(0, BLOCK_N)
+    # Pass 1: the maximum, per lane, then across lanes.
+    lane_max = tl.full([BLOCK_N], -float("inf"), tl.float32)
+    for start in tl.range(0, N, BLOCK_N):
+        x = tl.load(x_row + (start + cols) * x_col_stride, mask=start + cols < N, other=-float("inf"))
+        lane_max = tl.maximum(lane_max, x.to(tl.float32) * 1.4426950408889634)
+    row_max = tl.max(lane_max, axis=0)
+    # Pass 2: the sum of exponentials.
+    lane_sum = tl.zeros([BLOCK_N], tl.float32)
+    for start in tl.range(0, N, BLOCK_N):
+        x = tl.load(x_row + (start + cols) * x_col_stride, mask=start + cols < N, other=-float("inf"))
+        lane_sum += tl.exp2(x.to(tl.float32) * 1.4426950408889634 - row_max)
+    row_sum = tl.sum(lane_sum, axis=0)
+    # Pass 3: normalize and store.
+    for start in tl.range(0, N, BLOCK_N):
+        mask = start + cols < N
+        x = tl.load(x_row + (start + cols) * x_col_stride, mask=mask, other=-float("inf"))
+        y = tl.exp2(x.to(tl.float32) * 1.4426950408889634 - row_max) / row_sum
+        tl.store(y_row + start + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# %%
+# The online softmax: two passes
+# ------------------------------
+# The first two passes can be merged. Suppose we have read the first :math:`j` elements and kept
+#
+# .. math::
+#
+#    m_j = \max_{i \le j} x_i, \qquad d_j = \sum_{i \le j} e^{x_i - m_j}.
+#
+# Reading :math:`x_{j+1}`, the new maximum is :math:`m_{j+1} = \max(m_j, x_{j+1})`. Every term of
+# :math:`d_j` was computed relative to the old maximum; multiplying by :math:`e^{m_j - m_{j+1}}`
+# moves them all to the new one at once:
+#
+# .. math::
+#
+#    d_{j+1} = \sum_{i \le j+1} e^{x_i - m_{j+1}}
+#            = d_j \, e^{m_j - m_{j+1}} + e^{x_{j+1} - m_{j+1}}.
+#
+# After the last element, :math:`m_N` and :math:`d_N` are the true maximum and sum, and one more
+# pass writes the output: :math:`2MN` read, :math:`MN` written. The rescaling factor is at most 1,
+# so nothing overflows, and when the maximum does not change it is exactly 1.
+#
+# Per lane, the same update runs on a vector of partial states; at the end, the lanes are merged
+# with the same rule: :math:`m = \max_\ell m_\ell` and :math:`d = \sum_\ell d_\ell e^{m_\ell - m}`.
+#
+# One trap: a lane that has seen only :math:`-\infty` (masked padding, or genuine ``-inf`` logits)
+# has :math:`m_\ell = -\infty`, and :math:`e^{m_\ell - m_\ell}` is :math:`e^{-\infty + \infty}`,
+# ``NaN``. The kernel rescales against a maximum that is replaced by 0 while it is still
+# :math:`-\infty`; the terms are then :math:`e^{-\infty} = 0`, as they should be.
+
+
+@triton.jit
+def online_softmax_kernel(x_ptr, y_ptr, N, x_row_stride, x_col_stride, y_row_stride, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    y_row = y_ptr + row * y_row_stride
+    cols = tl.arange(0, BLOCK_N)
+    lane_max = tl.full([BLOCK_N], -float("inf"), tl.float32)
+    lane_sum = tl.zeros([BLOCK_N], tl.float32)
+    # Pass 1: running maximum and rescaled running sum, in base 2.
+    for start in tl.range(0, N, BLOCK_N):
+        x = tl.load(x_row + (start + cols) * x_col_stride, mask=start + cols < N, other=-float("inf"))
+        x = x.to(tl.float32) * 1.4426950408889634
+        new_max = tl.maximum(lane_max, x)
+        safe_max = tl.where(new_max == -float("inf"), 0.0, new_max)
+        lane_sum = lane_sum * tl.exp2(lane_max - safe_max) + tl.exp2(x - safe_max)
+        lane_max = new_max
+    row_max = tl.max(lane_max, axis=0)
+    row_sum = tl.sum(lane_sum * tl.exp2(lane_max - row_max), axis=0)
+    # Pass 2: normalize and store.
+    for start in tl.range(0, N, BLOCK_N):
+        mask = start + cols < N
+        x = tl.load(x_row + (start + cols) * x_col_stride, mask=mask, other=-float("inf"))
+        y = tl.exp2(x.to(tl.float32) * 1.4426950408889634 - row_max) / row_sum
+        tl.store(y_row + start + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# %%
+# One pass, while the row still fits
+# ----------------------------------
+# Between "fits in a few warps" and "cannot fit at all" lies a range where a row fits in one
+# program only if that program takes the whole SM: 32 warps (1,024 threads), each thread holding
+# a few dozen elements in registers. Then the row is read once and written once, like the fused
+# kernel. How long a row can get before this kernel spills is a question for the compiler and the
+# GPU, so the benchmark below measures it rather than guessing.
+
+
+@triton.jit
+def row_on_chip_kernel(x_ptr, y_ptr, N, x_row_stride, x_col_stride, y_row_stride, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(x_ptr + row * x_row_stride + cols * x_col_stride, mask=mask, other=-float("inf"))
+    x = x.to(tl.float32) * 1.4426950408889634
+    numerator = tl.exp2(x - tl.max(x, axis=0))
+    y = numerator / tl.sum(numerator, axis=0)
+    tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# %%
+# The launch helpers
+# ------------------
+# One program per row: with :math:`M = 4096` rows there are many more programs than SMs, so the
+# hardware scheduler keeps every SM busy without a persistent loop. The chunk is 4,096 elements
+# processed by 8 warps (16 elements per thread); ``block_n`` lets the tests force tiny chunks so
+# that the loops run many times.
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+ROW_ON_CHIP_LIMIT = 32768  # longest row (elements) row_on_chip_kernel is launched for
+
+
+def check_input(x):
+    """Raise a clear error for anything the kernels cannot handle."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"softmax expects a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"softmax expects a 2-D tensor (rows, columns), got shape {tuple(x.shape)}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"softmax supports float32, float16 and bfloat16, got {x.dtype}")
+    if x.numel() == 0:
+        raise ValueError(f"softmax needs at least one row and one column, got shape {tuple(x.shape)}")
+    if x.device.type != DEVICE.type:
+        raise ValueError(f"x is on device '{x.device}', but Triton runs these kernels on '{DEVICE.type}' here")
+
+
+def _launch(kernel, x, block_n, num_warps):
+    check_input(x)
+    M, N = x.shape
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    kernel[(M,)](x, y, N, x.stride(0), x.stride(1), y.stride(0), BLOCK_N=block_n, num_warps=num_warps)
+    return y
+
+
+def three_pass_softmax(x, block_n=4096):
+    """Row-wise softmax, walking each row three times in chunks of block_n (a power of two)."""
+    return _launch(three_pass_kernel, x, block_n, num_warps=8)
+
+
+def online_softmax(x, block_n=4096):
+    """Row-wise softmax, walking each row twice with the online max-and-sum update."""
+    return _launch(online_softmax_kernel, x, block_n, num_warps=8)
+
+
+def row_on_chip_softmax(x):
+    """Row-wise softmax reading each row once; rows up to ROW_ON_CHIP_LIMIT elements."""
+    check_input(x)
+    if x.shape[1] > ROW_ON_CHIP_LIMIT:
+        raise ValueError(f"row_on_chip_softmax holds a row in registers: at most {ROW_ON_CHIP_LIMIT} columns, got {x.shape[1]}")
+    block_n = triton.next_power_of_2(x.shape[1])
+    return _launch(row_on_chip_kernel, x, block_n, num_warps=max(1, min(32, block_n // 32)))
+
+
+def long_softmax(x):
+    """The best of this lesson's kernels for the row length: one pass while a row fits, else two."""
+    check_input(x)
+    return row_on_chip_softmax(x) if x.shape[1] <= ROW_ON_CHIP_LIMIT else online_softmax(x)
+
+
+# %%
+# Correctness
+# -----------
+# Check all three against a float64 reference on an irregular shape, with chunks small enough that
+# the loops run many times and the last chunk is ragged.
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    x = torch.randn(37, 5001, device=DEVICE) * 10
+    reference = torch.softmax(x.double(), dim=1)
+    for name, fn in [("three-pass", lambda t: three_pass_softmax(t, block_n=512)),
+                     ("online", lambda t: online_softmax(t, block_n=512)),
+                     ("row on chip", row_on_chip_softmax)]:
+        error = (fn(x).double() - reference).abs().max().item()
+        print(f"{name:12s} max abs error vs float64 on 37x5001: {error:.2e}")
+        assert error < 1e-6, (name, error)
+
+# %%
+# Benchmark
+# ---------
+# :math:`M = 4096` rows of 16K to 256K elements, in GB/s (:math:`2MN \times` element size over
+# time), beside ``torch.softmax``, ``torch.compile`` (GPU only) and the copy bandwidth measured in
+# this run. The row-on-chip kernel appears only where rows fit its limit.
+
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+
+def describe_platform():
+    """What produced the numbers on this page."""
+    versions = f"torch {torch.__version__}, Triton {triton.__version__}"
+    if ON_GPU:
+        return f"GPU: {torch.cuda.get_device_name()} ({versions})"
+    return (f"Triton interpreter on CPU ({platform.processor() or platform.machine()}; {versions}): "
+            "these timings measure the interpreter, not a GPU")
+
+
+def bench_ms(fn):
+    """Median time of fn() in milliseconds: do_bench on a GPU, wall clock under the interpreter."""
+    if ON_GPU:
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    fn()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def copy_bandwidth_gbs():
+    """Device copy bandwidth (bytes read + written per second) on a buffer far larger than caches."""
+    n = (256 << 20) if ON_GPU else (8 << 20)
+    src = torch.randn(n // 4, device=DEVICE)
+    dst = torch.empty_like(src)
+    return 2 * n / bench_ms(lambda: dst.copy_(src)) * 1e-6
+
+
+def save_results(tutorial, benchmarks):
+    """Leave the measured numbers for the site's "Performance at a glance" page, when built by it."""
+    out = os.environ.get("TUTORIAL_RESULTS_DIR")
+    if not out:
+        return
+    import json
+
+    os.makedirs(out, exist_ok=True)
+    record = {"tutorial": tutorial, "platform": describe_platform(), "on_gpu": ON_GPU,
+              "date": time.strftime("%Y-%m-%d"), "benchmarks": benchmarks}
+    with open(os.path.join(out, tutorial + ".json"), "w") as f:
+        json.dump(record, f, indent=1)
+
+
+OURS = {"three-pass": three_pass_softmax, "online (two-pass)": online_softmax, "row on chip (one pass)": row_on_chip_softmax}
+
+
+def run_benchmark(M, sizes, dtypes):
+    rows = []
+    for dtype in dtypes:
+        for N in sizes:
+            x = torch.randn(M, N, device=DEVICE, dtype=dtype)
+            gbs = lambda ms: 2 * x.numel() * x.element_size() / ms * 1e-6  # noqa: E731
+            case = dict(dtype=str(dtype).split(".")[1], N=N)
+            providers = {name: fn for name, fn in OURS.items() if N <= ROW_ON_CHIP_LIMIT or fn is not row_on_chip_softmax}
+            providers["torch.softmax"] = lambda t: torch.softmax(t, dim=1)
+            if ON_GPU:
+                torch._dynamo.reset()
+                providers["torch.compile"] = torch.compile(lambda t: torch.softmax(t, dim=1), dynamic=False)
+            for name, fn in providers.items():
+                rows.append(dict(case, provider=name, value=gbs(bench_ms(lambda: fn(x)))))
+    return rows
+
+
+if __name__ == "__main__":
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    print(describe_platform())
+    if ON_GPU:
+        M, sizes = 4096, [16384, 32768, 65536, 131072, 262144]
+    else:
+        M, sizes = 4, [4096, 16384]
+    dtypes = [torch.float32, torch.bfloat16]
+    copy_gbs = copy_bandwidth_gbs()
+    print(f"device copy bandwidth, measured now: {copy_gbs:.0f} GB/s")
+    results = pd.DataFrame(run_benchmark(M, sizes, dtypes))
+    table = results.pivot_table(index=["dtype", "N"], columns="provider", values="value", sort=False)
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.2), sharey=True, squeeze=False)
+    for ax, (dtype, part) in zip(axes[0], table.groupby(level="dtype", sort=False)):
+        part.droplevel("dtype").plot(ax=ax, marker="o", logx=True)
+        ax.axhline(copy_gbs, color="black", linestyle="--", label="copy bandwidth")
+        ax.set(title=f"long-row softmax, M = {M}, {dtype}", xlabel="N (row length)", ylabel="GB/s", ylim=(0, None))
+        ax.set_xticks(sizes, [str(n) for n in sizes], minor=False)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    plt.show()
+    table.round(1)
+
+# %%
+# What the numbers say
+# --------------------
+# Computed from the table above, in this run: for each row length, the fastest of this lesson's
+# kernels, its speed relative to the best of the PyTorch peers, and its share of the copy
+# bandwidth. The byte counts predict at most 1/2 of the copy bandwidth for three passes and 2/3 for
+# two (a pass that re-reads data still in the L2 cache can do a little better).
+
+if __name__ == "__main__":
+    peers = [c for c in table.columns if c not in OURS]
+    for key, row in table.iterrows():
+        ours = row[list(OURS)].dropna()
+        best = ours.idxmax()
+        print(f"{key[0]:>8s} N = {key[1]:>6d}: best is {best} at {row[best] / copy_gbs:.0%} of copy bandwidth, "
+              f"{row[best] / row[peers].max():.2f}x the best PyTorch peer; "
+              f"online vs. three-pass {row['online (two-pass)'] / row['three-pass']:.2f}x")
+    if not ON_GPU:
+        print("These are interpreter timings: the ratios measure NumPy on the CPU, not GPU kernels.")
+    save_results("02-long-softmax", [{
+        "name": f"long-row softmax, M = {M}", "unit": "GB/s", "ceiling_name": "copy bandwidth", "ceiling": copy_gbs,
+        "ours": list(OURS), "peers": peers, "rows": results.to_dict("records")}])
+
+# %%
+# Beyond one SM
+# -------------
+# Once a row no longer fits in one SM, the two-pass kernel reads it twice, and the ceiling for that
+# is two thirds of the copy bandwidth. To read a long row only once, several programs must share
+# it: each holds a slice on chip, they exchange their partial maxima and sums, and each normalizes
+# its own slice. That needs the programs to run at the same time and to wait for each other (on
+# Hopper, a *thread-block cluster* with distributed shared memory does this in hardware; it is how
+# the fastest published long-row softmax kernels keep whole rows on chip). That is the subject for
+# a later lesson.
