@@ -1,0 +1,691 @@
+"""
+Fused attention v2: FlashAttention-2, forward and backward
+==========================================================
+
+FlashAttention-2 (Dao, 2023) reorganizes the FlashAttention-1 algorithm of the previous lesson so
+that a GPU spends its time in matrix multiplications. This lesson builds it in Triton, forward and
+backward, correct for every sequence length, head dimension and masking mode, and measures it
+against PyTorch's cuDNN and flash backends.
+
+You will learn:
+
+* what FlashAttention-2 changes from v1, and why each change pays;
+* how to split causal attention into blocks that need no mask and blocks that do;
+* how the backward splits into a preprocess, a :math:`dK, dV` pass and a :math:`dQ` pass, so that
+  no two programs ever write the same output;
+* how to autotune a kernel without making every build slow;
+* the mistakes that learners' versions of this kernel make, and the tests that catch each one.
+"""
+
+# %%
+# Where the kernels run
+# ---------------------
+# A CUDA GPU when there is one, otherwise the Triton interpreter on the CPU, switched on before the
+# first ``@triton.jit``.
+
+import math
+import os
+
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+
+# %%
+# What changes from v1, and why
+# -----------------------------
+# * **Normalize once, at the end.** v1 divided the accumulator by the running sum at every key
+#   block. v2 keeps the *unnormalized* sum :math:`a = \sum_j e^{s_j - m} v_j` and divides by
+#   :math:`\ell` once after the loop: one division per output element instead of one per element
+#   per block. Only the rescaling by :math:`e^{m - m'}` remains inside the loop.
+# * **exp2, with** :math:`\log_2 e` **folded into the scale.** The scores are multiplied by
+#   ``sm_scale`` anyway; multiplying by ``sm_scale * log2(e)`` instead makes every exponential a
+#   bare ``exp2``, one hardware instruction. The backward then saves
+#   :math:`\mathrm{LSE}_2 = m + \log_2 \ell` per row, in the same base-2 units.
+# * **Parallel over query blocks, in both passes.** The forward grid has one program per
+#   (query block, batch, head), as in v1. The v1 backward had one program per (batch, head), far
+#   fewer programs than an H100 has SMs at small batch sizes. v2's backward runs one program per
+#   key block for :math:`dK, dV` and one per query block for :math:`dQ`: each output is owned by
+#   exactly one program, so there are no atomics and no fp32 round trips through memory.
+# * **Causal work split by the diagonal.** For a query block, key blocks entirely below the
+#   diagonal are fully visible and need no mask; only the block on the diagonal is masked. Blocks
+#   above it are skipped altogether: causal attention does half the work.
+#
+# How much work, and is it compute-bound? The forward does two matrix products of
+# :math:`2N^2D` floating-point operations per (batch, head): :math:`4BHN^2D` FLOPs, half that when
+# causal. The backward recomputes :math:`QK^T` and does four more products: 2.5 times the forward.
+# The bytes that must move are :math:`Q, K, V, O`: :math:`4BHND` elements. The arithmetic
+# intensity is therefore about :math:`N` FLOPs per element, :math:`N/2` per byte in fp16: at
+# :math:`N = 4096`, about 2,000 FLOPs per byte, far past the H100's ridge point (about 990 TFLOP/s
+# over 3.35 TB/s, some 300 FLOPs per byte). Attention is bound by the tensor cores, and its speed is
+# best given as a fraction of the matrix-multiply rate.
+#
+# The forward kernel
+# ------------------
+# The inner loop walks key blocks from ``lo`` to ``hi``. ``MASKED`` is a compile-time flag: the
+# compiler produces one loop without any masking for the bulk of the keys, and one with masks for
+# the causal diagonal and for the ragged last block when :math:`N` is not a multiple of
+# ``BLOCK_N``. Keys past :math:`N` get a score of :math:`-\infty`; their loads read zeros.
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attn_fwd_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, skn, svn, lo, hi, rows, N, qk_scale,
+                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    cols = tl.arange(0, BLOCK_N)
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        keys = start_n + cols
+        if MASKED:
+            kt = tl.load(kt_ptrs + keys[None, :] * skn, mask=keys[None, :] < N, other=0.0)
+            v = tl.load(v_ptrs + keys[:, None] * svn, mask=keys[:, None] < N, other=0.0)
+        else:
+            kt = tl.load(kt_ptrs + keys[None, :] * skn)
+            v = tl.load(v_ptrs + keys[:, None] * svn)
+        if q.dtype == tl.float32:  # interpreter bf16 workaround: see the note below
+            kt, v = kt.to(tl.float32), v.to(tl.float32)
+        s = tl.dot(q, kt)
+        if MASKED:
+            valid = keys[None, :] < N
+            if CAUSAL:
+                valid = valid & (keys[None, :] <= rows[:, None])
+            s = tl.where(valid, s * qk_scale, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            s = s - m_new[:, None]
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+            s = s * qk_scale - m_new[:, None]
+        p = tl.math.exp2(s)
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attn_fwd_kernel(
+    Q, K, V, O, LSE, qk_scale, H, N, N_BUCKET,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
+    D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, D)
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqn + d[None, :] * sqd, mask=rows[:, None] < N, other=0.0)
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+    kt_ptrs = K + b * skb + h * skh + d[:, None] * skd  # K transposed: (D, keys)
+    v_ptrs = V + b * svb + h * svh + d[None, :] * svd
+    m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    if CAUSAL:
+        # Off the diagonal: every key is visible, no mask. On it: the causal mask.
+        diag = start_m * BLOCK_M
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, skn, svn, 0, diag, rows, N, qk_scale,
+                                        BLOCK_N, False, CAUSAL)
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, skn, svn, diag,
+                                        tl.minimum(diag + BLOCK_M, N), rows, N, qk_scale, BLOCK_N, True, CAUSAL)
+    else:
+        full = (N // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, skn, svn, 0, full, rows, N, qk_scale,
+                                        BLOCK_N, False, CAUSAL)
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, skn, svn, full, N, rows, N, qk_scale,
+                                        BLOCK_N, True, CAUSAL)
+    row_ok = rows < N
+    tl.store(LSE + bh * N + rows, m_i + tl.math.log2(l_i), mask=row_ok)
+    o = acc / l_i[:, None]
+    tl.store(O + b * sob + h * soh + rows[:, None] * son + d[None, :] * sod, o.to(O.dtype.element_ty), mask=row_ok[:, None])
+
+
+# %%
+# The causal split requires ``BLOCK_M`` to be a multiple of ``BLOCK_N``, so that the diagonal of a
+# query block covers whole key blocks.
+#
+# Autotuning without a slow build
+# -------------------------------
+# The best tile sizes depend on the GPU, the head dimension and the masking. ``triton.autotune``
+# times each configuration the first time it meets a new *key* and remembers the winner. Two
+# choices keep that affordable: the key is the head dimension, the causal flag and the sequence
+# length rounded to a power of two (not the exact length, which would re-tune for every new
+# :math:`N`), and configurations that cannot work are pruned before any is compiled: tiles that
+# break the causal split, and large tiles at :math:`D = 128`, whose registers would spill. Under the
+# interpreter there is nothing to tune, and one configuration runs.
+
+
+def _fwd_configs():
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+            for bm, bn, w, s in [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)]]
+
+
+def _prune_fwd(configs, named_args, **kwargs):
+    D = named_args["D"] if "D" in named_args else kwargs["D"]
+    keep = [c for c in configs if c.kwargs["BLOCK_M"] % c.kwargs["BLOCK_N"] == 0
+            and not (D >= 128 and c.kwargs["BLOCK_N"] >= 128)]
+    return keep or configs[:1]
+
+
+def _bwd_configs():
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+            for bm, bn, w, s in [(32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4)]]
+
+
+def _prune_bwd(configs, named_args, **kwargs):
+    return [c for c in configs if c.kwargs["BLOCK_M"] <= c.kwargs["BLOCK_N"]] or configs[:1]
+
+
+# %%
+# The backward kernels
+# --------------------
+# With :math:`P` recomputed from the saved :math:`\mathrm{LSE}_2` as
+# :math:`P = 2^{S \cdot \mathrm{scale} \cdot \log_2 e - \mathrm{LSE}_2}` (already normalized, no
+# division), the gradients are
+#
+# .. math::
+#
+#    dV = P^T dO,\quad dP = dO\,V^T,\quad dS = P \circ (dP - \Delta),\quad
+#    dK = \mathrm{scale}\cdot dS^T Q,\quad dQ = \mathrm{scale}\cdot dS\,K,
+#
+# with :math:`\Delta_i = \sum_d O_{id}\,dO_{id}`, computed by a small preprocess kernel.
+#
+# The :math:`dK, dV` program owns a block of keys and walks the query blocks that can see them:
+# with causal masking, only those at or below the diagonal. The :math:`dQ` program owns a block of
+# queries and walks the key blocks it sees. In both, masking is needed only on the diagonal and on
+# ragged edges: a query row past :math:`N` is loaded as zeros, so its :math:`dO` and :math:`\Delta`
+# are zero and it contributes nothing; a key row past :math:`N` is loaded as zeros, so it adds
+# nothing to :math:`dQ`, and its own :math:`dK, dV` rows are never stored.
+
+
+@triton.jit
+def attn_bwd_preprocess_kernel(O, DO, DELTA, H, N, sob, soh, son, sod, sdb, sdh, sdn, sdd,
+                               D: tl.constexpr, BLOCK_M: tl.constexpr):
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, D)
+    ok = rows[:, None] < N
+    o = tl.load(O + b * sob + h * soh + rows[:, None] * son + d[None, :] * sod, mask=ok, other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdn + d[None, :] * sdd, mask=ok, other=0.0)
+    tl.store(DELTA + bh * N + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1), mask=rows < N)
+
+
+@triton.jit
+def _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, sqn, sdn, LSE_bh, DELTA_bh, keys, lo, hi, N, qk_scale,
+                    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    for start_m in tl.range(lo, hi, BLOCK_M):
+        rows = start_m + tl.arange(0, BLOCK_M)
+        if MASKED:
+            q = tl.load(q_ptrs + rows[:, None] * sqn, mask=rows[:, None] < N, other=0.0)
+            do = tl.load(do_ptrs + rows[:, None] * sdn, mask=rows[:, None] < N, other=0.0)
+            lse = tl.load(LSE_bh + rows, mask=rows < N, other=0.0)
+            delta = tl.load(DELTA_bh + rows, mask=rows < N, other=0.0)
+        else:
+            q = tl.load(q_ptrs + rows[:, None] * sqn)
+            do = tl.load(do_ptrs + rows[:, None] * sdn)
+            lse = tl.load(LSE_bh + rows)
+            delta = tl.load(DELTA_bh + rows)
+        if k.dtype == tl.float32:  # interpreter bf16 workaround
+            q, do = q.to(tl.float32), do.to(tl.float32)
+        pt = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])  # P^T: (keys, queries)
+        if MASKED and CAUSAL:
+            pt = tl.where(keys[:, None] <= rows[None, :], pt, 0.0)
+        dv = tl.dot(pt.to(do.dtype), do, dv)
+        dpt = tl.dot(v, tl.trans(do))
+        dst = pt * (dpt - delta[None, :])
+        dk = tl.dot(dst.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit
+def attn_bwd_dkdv_kernel(
+    Q, K, V, DO, DK, DV, LSE, DELTA, sm_scale, qk_scale, H, N, N_BUCKET,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdn, sdd,
+    D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    start_n = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    keys = start_n + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D)
+    key_ok = keys[:, None] < N
+    k = tl.load(K + b * skb + h * skh + keys[:, None] * skn + d[None, :] * skd, mask=key_ok, other=0.0)
+    v = tl.load(V + b * svb + h * svh + keys[:, None] * svn + d[None, :] * svd, mask=key_ok, other=0.0)
+    if UPCAST_DOT:
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    q_ptrs = Q + b * sqb + h * sqh + d[None, :] * sqd
+    do_ptrs = DO + b * sdb + h * sdh + d[None, :] * sdd
+    LSE_bh, DELTA_bh = LSE + bh * N, DELTA + bh * N
+    dk = tl.zeros([BLOCK_N, D], tl.float32)
+    dv = tl.zeros([BLOCK_N, D], tl.float32)
+    full = (N // BLOCK_M) * BLOCK_M  # query rows below this need no bounds mask
+    if CAUSAL:
+        # Query blocks that cross this key block's diagonal need the mask; those below do not.
+        past_diag = tl.minimum(start_n + BLOCK_N, N)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, sqn, sdn, LSE_bh, DELTA_bh, keys,
+                                 start_n, past_diag, N, qk_scale, BLOCK_M, True, CAUSAL)
+        lo = start_n + BLOCK_N
+    else:
+        lo = 0
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, sqn, sdn, LSE_bh, DELTA_bh, keys,
+                             lo, tl.maximum(lo, full), N, qk_scale, BLOCK_M, False, CAUSAL)
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, sqn, sdn, LSE_bh, DELTA_bh, keys,
+                             tl.maximum(lo, full), N, N, qk_scale, BLOCK_M, True, False)
+    out = bh * N * D + keys[:, None] * D + d[None, :]
+    tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok)
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=key_ok)
+
+
+@triton.jit
+def _bwd_dq_inner(dq, q, do, lse, delta, kt_ptrs, vt_ptrs, skn, svn, rows, lo, hi, N, qk_scale,
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        keys = start_n + tl.arange(0, BLOCK_N)
+        if MASKED:
+            kt = tl.load(kt_ptrs + keys[None, :] * skn, mask=keys[None, :] < N, other=0.0)
+            vt = tl.load(vt_ptrs + keys[None, :] * svn, mask=keys[None, :] < N, other=0.0)
+        else:
+            kt = tl.load(kt_ptrs + keys[None, :] * skn)
+            vt = tl.load(vt_ptrs + keys[None, :] * svn)
+        if q.dtype == tl.float32:  # interpreter bf16 workaround
+            kt, vt = kt.to(tl.float32), vt.to(tl.float32)
+        p = tl.math.exp2(tl.dot(q, kt) * qk_scale - lse[:, None])
+        if MASKED and CAUSAL:
+            p = tl.where(keys[None, :] <= rows[:, None], p, 0.0)
+        dp = tl.dot(do, vt)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq)
+    return dq
+
+
+@triton.jit
+def attn_bwd_dq_kernel(
+    Q, K, V, DO, DQ, LSE, DELTA, sm_scale, qk_scale, H, N, N_BUCKET,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdn, sdd,
+    D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # BLOCK_M / BLOCK_N are swapped on launch: this program owns BLOCK_N query rows.
+    start_m = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    rows = start_m + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D)
+    row_ok = rows < N
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqn + d[None, :] * sqd, mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdn + d[None, :] * sdd, mask=row_ok[:, None], other=0.0)
+    if UPCAST_DOT:
+        q, do = q.to(tl.float32), do.to(tl.float32)
+    lse = tl.load(LSE + bh * N + rows, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + bh * N + rows, mask=row_ok, other=0.0)
+    kt_ptrs = K + b * skb + h * skh + d[:, None] * skd
+    vt_ptrs = V + b * svb + h * svh + d[:, None] * svd
+    dq = tl.zeros([BLOCK_N, D], tl.float32)
+    if CAUSAL:
+        diag = start_m
+        dq = _bwd_dq_inner(dq, q, do, lse, delta, kt_ptrs, vt_ptrs, skn, svn, rows, 0, diag, N, qk_scale,
+                           BLOCK_M, False, CAUSAL)
+        dq = _bwd_dq_inner(dq, q, do, lse, delta, kt_ptrs, vt_ptrs, skn, svn, rows, diag,
+                           tl.minimum(diag + BLOCK_N, N), N, qk_scale, BLOCK_M, True, CAUSAL)
+    else:
+        full = (N // BLOCK_M) * BLOCK_M
+        dq = _bwd_dq_inner(dq, q, do, lse, delta, kt_ptrs, vt_ptrs, skn, svn, rows, 0, full, N, qk_scale,
+                           BLOCK_M, False, CAUSAL)
+        dq = _bwd_dq_inner(dq, q, do, lse, delta, kt_ptrs, vt_ptrs, skn, svn, rows, full, N, N, qk_scale,
+                           BLOCK_M, True, CAUSAL)
+    tl.store(DQ + bh * N * D + rows[:, None] * D + d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+# %%
+# In the :math:`dQ` kernel the roles of the two block sizes swap: it owns the large block (of
+# queries) and walks the small one (of keys), just as the :math:`dK, dV` kernel owns the large
+# block of keys. One tuned pair of sizes serves both.
+#
+# A note on the interpreter: in Triton 3.9 it stores bf16 values as 16-bit integers and
+# multiplies those integers inside ``tl.dot``. The kernels take an ``UPCAST_DOT`` flag that turns
+# the first operands into fp32 (and the helpers follow the dtype they see); the launcher sets it
+# only for bf16 under the interpreter, so compiled GPU code never pays for it.
+#
+# The launcher and autograd
+# -------------------------
+
+if ON_GPU:
+    _fwd = triton.autotune(_fwd_configs(), key=["D", "CAUSAL", "N_BUCKET"],
+                           prune_configs_by={"early_config_prune": _prune_fwd})(attn_fwd_kernel)
+    _dkdv = triton.autotune(_bwd_configs(), key=["D", "CAUSAL", "N_BUCKET"],
+                            prune_configs_by={"early_config_prune": _prune_bwd})(attn_bwd_dkdv_kernel)
+    _dq = triton.autotune(_bwd_configs(), key=["D", "CAUSAL", "N_BUCKET"],
+                          prune_configs_by={"early_config_prune": _prune_bwd})(attn_bwd_dq_kernel)
+    _FIXED_FWD = _FIXED_BWD = {}
+else:
+    # One configuration each, obeying the same rules as the pruned autotuning space.
+    _fwd, _dkdv, _dq = attn_fwd_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
+    _FIXED_FWD, _FIXED_BWD = {"BLOCK_M": 64, "BLOCK_N": 32}, {"BLOCK_M": 32, "BLOCK_N": 64}
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+HEAD_DIMS = (16, 32, 64, 128)
+
+
+def fp8_supported():
+    """fp8 matrix multiplies need an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper)."""
+    return ON_GPU and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def check_inputs(q, k, v, causal, sm_scale):
+    """Raise a clear error for anything the kernels cannot handle."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions (batch, heads, sequence, head_dim), got shape {tuple(t.shape)}")
+        if t.device.type != DEVICE.type:
+            raise ValueError(f"{name} is on device '{t.device}', but Triton runs these kernels on '{DEVICE.type}' here")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype == torch.float8_e5m2:
+        if not fp8_supported():
+            raise TypeError("float8_e5m2 attention needs a GPU with fp8 tensor cores (compute capability 8.9+)")
+        if any(t.requires_grad for t in (q, k, v)):
+            raise TypeError("float8_e5m2 attention is forward-only: its inputs must not require grad")
+    elif q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q, k and v must be float16 or bfloat16 (or float8_e5m2 forward on fp8 GPUs), got {q.dtype}")
+    if not (q.shape == k.shape == v.shape):
+        raise ValueError(f"q, k and v must have the same shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on the same device, got {q.device}, {k.device}, {v.device}")
+    if q.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"head dim must be one of {HEAD_DIMS}, got {q.shape[-1]}")
+    if q.numel() == 0:
+        raise ValueError(f"q, k and v must not be empty, got shape {tuple(q.shape)}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale):
+        raise TypeError(f"sm_scale must be a finite number, got {sm_scale!r}")
+
+
+class _AttentionV2(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, sm_scale):
+        B, H, N, D = q.shape
+        out_dtype = torch.float16 if q.dtype == torch.float8_e5m2 else q.dtype
+        o = torch.empty((B, H, N, D), dtype=out_dtype, device=q.device)
+        lse = torch.empty((B * H, N), dtype=torch.float32, device=q.device)
+        upcast = (not ON_GPU) and q.dtype == torch.bfloat16
+        grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B * H)  # noqa: E731
+        _fwd[grid](q, k, v, o, lse, sm_scale * LOG2E, H, N, triton.next_power_of_2(N), *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+                   D=D, CAUSAL=causal, UPCAST_DOT=upcast, **_FIXED_FWD)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.sm_scale, ctx.upcast = causal, sm_scale, upcast
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        B, H, N, D = q.shape
+        delta = torch.empty_like(lse)
+        attn_bwd_preprocess_kernel[(triton.cdiv(N, 64), B * H)](o, do, delta, H, N, *o.stride(), *do.stride(),
+                                                                D=D, BLOCK_M=64)
+        dq = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
+        dk, dv = torch.empty_like(dq), torch.empty_like(dq)
+        args = (ctx.sm_scale, ctx.sm_scale * LOG2E, H, N, triton.next_power_of_2(N), *q.stride(), *k.stride(), *v.stride(), *do.stride())
+        meta = dict(D=D, CAUSAL=ctx.causal, UPCAST_DOT=ctx.upcast, **_FIXED_BWD)
+        _dkdv[lambda m: (triton.cdiv(N, m["BLOCK_N"]), B * H)](q, k, v, do, dk, dv, lse, delta, *args, **meta)
+        _dq[lambda m: (triton.cdiv(N, m["BLOCK_N"]), B * H)](q, k, v, do, dq, lse, delta, *args, **meta)
+        return dq, dk, dv, None, None
+
+
+def attention(q, k, v, causal, sm_scale):
+    """FlashAttention-2: softmax(q k^T * sm_scale) v over (batch, heads, sequence, head_dim) tensors."""
+    check_inputs(q, k, v, causal, sm_scale)
+    return _AttentionV2.apply(q, k, v, causal, float(sm_scale))
+
+
+# %%
+# Correctness
+# -----------
+# Forward and all three gradients against float64 PyTorch, causal and not, at a sequence length
+# one past a block boundary, and with ``q`` made by transposing a (batch, sequence, heads, dim)
+# tensor, so that its strides are not the contiguous ones.
+
+
+def reference_attention(q, k, v, causal, sm_scale):
+    """The definition, in whatever precision the inputs have (float64 for a reference)."""
+    s = (q @ k.transpose(-1, -2)) * sm_scale
+    if causal:
+        n = q.shape[2]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), -math.inf)
+    return torch.softmax(s, dim=-1) @ v
+
+
+def relative_errors(q, k, v, causal, sm_scale):
+    """Max error of o, dq, dk, dv relative to the largest reference value, on a fresh random dO."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = attention(q, k, v, causal, sm_scale)
+    do = torch.randn_like(out)
+    out.backward(do)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(q64, k64, v64, causal, sm_scale)
+    ref.backward(do.double())
+    return {name: ((a.double() - b).abs().max() / b.abs().max()).item()
+            for name, a, b in [("o", out, ref), ("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad), ("dv", v.grad, v64.grad)]}
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    B, H, N, D = 2, 3, 129 if ON_GPU else 65, 64
+    for causal in (False, True):
+        q = torch.randn(B, N, H, D, device=DEVICE, dtype=torch.float16).transpose(1, 2)  # strided
+        k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16) for _ in range(2))
+        errors = relative_errors(q, k, v, causal, D ** -0.5)
+        print(f"causal={causal}, N={N}: " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+        assert max(errors.values()) < 1e-2, errors
+
+# %%
+# Mistakes learners make, and the test that catches each
+# ------------------------------------------------------
+# Versions of this kernel written from scratch, and even the published tutorial, share a handful
+# of bugs. Each is caught by a test in this project's suite (``tests/test_attention.py``):
+#
+# * **dO loaded through O's pointers.** A from-scratch backward that reuses the output's pointer
+#   block to load the upstream gradient computes the gradient of the wrong function. It runs, and
+#   the loss even goes down. Caught by comparing every gradient with float64 autograd on a random
+#   :math:`dO` (never on :math:`dO = 1` or :math:`dO = O`, which can hide it).
+# * **Q.shape(3).** ``shape`` is a tuple, not a function: ``Q.shape[3]``. The launcher fails before
+#   any kernel runs; caught by any test that runs the code at all.
+# * **M (the row statistics) allocated on the CPU.** ``torch.empty(...)`` without ``device=``
+#   hands a host pointer to a GPU kernel: a crash or silent garbage. Here every buffer is created
+#   with ``device=q.device``, and the input checks refuse tensors on different devices.
+# * **A backward that ignores** ``causal=False``. The published v2 tutorial computed the causal
+#   gradient whatever it was asked; the forward was right, so only a gradient test of the
+#   non-causal case sees it. The tests run both modes.
+# * **Sequence lengths that must be a multiple of 128.** Unmasked loads read past the end of the
+#   tensors. Here the ragged edge is masked; the tests use :math:`N = 1, 77, 300` and one past a
+#   block boundary.
+# * **Contiguity assumed.** Computing offsets as ``row * D + col`` breaks on a transposed view.
+#   The kernels take every stride, and the tests feed transposed inputs.
+#
+# Benchmark
+# ---------
+# TFLOP/s, forward and backward, causal and not, at :math:`D = 64` (:math:`B = 4, H = 32`) and
+# :math:`D = 128` (:math:`B = 4, H = 16`), against PyTorch SDPA's cuDNN and flash backends, the
+# ``flash-attn`` package when it is installed, and the v1 kernel of the previous lesson when its
+# file sits next to this one. The ceiling is the fp16 matrix-multiply rate measured in this run.
+
+import importlib.util  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.nn.functional import scaled_dot_product_attention  # noqa: E402
+
+
+def describe_platform():
+    """What produced the numbers on this page."""
+    versions = f"torch {torch.__version__}, Triton {triton.__version__}"
+    if ON_GPU:
+        return f"GPU: {torch.cuda.get_device_name()} ({versions})"
+    return (f"Triton interpreter on CPU ({platform.processor() or platform.machine()}; {versions}): "
+            "these timings measure the interpreter, not a GPU")
+
+
+def bench_ms(fn):
+    """Median time of fn() in milliseconds: do_bench on a GPU, wall clock under the interpreter."""
+    if ON_GPU:
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    fn()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def matmul_tflops():
+    """The device's fp16 matrix-multiply rate, measured now: the ceiling for attention."""
+    n = 8192 if ON_GPU else 256
+    a, b = (torch.randn(n, n, device=DEVICE, dtype=torch.float16 if ON_GPU else torch.float32) for _ in range(2))
+    return 2 * n**3 / bench_ms(lambda: a @ b) * 1e-9
+
+
+def save_results(tutorial, benchmarks):
+    """Leave the measured numbers for the site's "Performance at a glance" page, when built by it."""
+    out = os.environ.get("TUTORIAL_RESULTS_DIR")
+    if not out:
+        return
+    import json
+
+    os.makedirs(out, exist_ok=True)
+    record = {"tutorial": tutorial, "platform": describe_platform(), "on_gpu": ON_GPU,
+              "date": time.strftime("%Y-%m-%d"), "benchmarks": benchmarks}
+    with open(os.path.join(out, tutorial + ".json"), "w") as f:
+        json.dump(record, f, indent=1)
+
+
+def load_v1():
+    """The previous lesson's attention, if its file is next to this one (it is in the site build)."""
+    here = Path(__file__).parent if "__file__" in globals() else Path.cwd()
+    path = here / "03-fused-attention-v1.py"
+    if not path.exists():
+        print("03-fused-attention-v1.py is not next to this file: the v1 comparison is skipped.")
+        return None
+    spec = importlib.util.spec_from_file_location("fused_attention_v1", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.attention
+
+
+def providers_for(causal, D, attention_v1):
+    scale = D ** -0.5
+    providers = {"Triton v2 (this tutorial)": lambda q, k, v: attention(q, k, v, causal, scale)}
+    backends = {"SDPA cuDNN": SDPBackend.CUDNN_ATTENTION, "SDPA flash": SDPBackend.FLASH_ATTENTION} if ON_GPU \
+        else {"SDPA math": SDPBackend.MATH}
+    for name, backend in backends.items():
+        def sdpa(q, k, v, backend=backend):
+            with sdpa_kernel(backend):
+                return scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+        providers[name] = sdpa
+    try:
+        from flash_attn import flash_attn_func
+
+        providers["flash-attn package"] = lambda q, k, v: flash_attn_func(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, softmax_scale=scale).transpose(1, 2)
+    except ImportError:
+        pass
+    if attention_v1 is not None:
+        providers["Triton v1 (lesson 03)"] = lambda q, k, v: attention_v1(q, k, v, causal, scale)
+    return providers
+
+
+def run_benchmark(cases, sizes, attention_v1):
+    rows = []
+    for B, H, D in cases:
+        for causal in (False, True):
+            for N in sizes:
+                q, k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16, requires_grad=True) for _ in range(3))
+                flops = 4 * B * H * N * N * D * (0.5 if causal else 1.0)
+                case = dict(D=D, causal=causal, N=N)
+                for name, fn in providers_for(causal, D, attention_v1).items():
+                    try:
+                        fwd = bench_ms(lambda: fn(q, k, v))
+                        o = fn(q, k, v)
+                        do = torch.randn_like(o)
+                        bwd = bench_ms(lambda: o.backward(do, retain_graph=True))
+                    except RuntimeError as error:  # a backend that does not support this case here
+                        print(f"{name} skipped at D={D}, N={N}, causal={causal}: {str(error).splitlines()[0][:100]}")
+                        continue
+                    rows.append(dict(case, mode="fwd", provider=name, value=flops / fwd * 1e-9))
+                    rows.append(dict(case, mode="bwd", provider=name, value=2.5 * flops / bwd * 1e-9))
+                if fp8_supported():
+                    q8, k8, v8 = (t.detach().to(torch.float8_e5m2) for t in (q, k, v))
+                    ms = bench_ms(lambda: attention(q8, k8, v8, causal, D ** -0.5))
+                    rows.append(dict(case, mode="fwd", provider="Triton v2 fp8", value=flops / ms * 1e-9))
+                del q, k, v
+    return rows
+
+
+if __name__ == "__main__":
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    print(describe_platform())
+    if not fp8_supported():
+        print("fp8 forward skipped: it needs a GPU with fp8 tensor cores (compute capability 8.9 or newer).")
+    if ON_GPU:
+        cases, sizes = [(4, 32, 64), (4, 16, 128)], [1024, 2048, 4096, 8192, 16384]
+    else:
+        cases, sizes = [(1, 2, 64), (1, 1, 128)], [64, 128]
+    peak = matmul_tflops()
+    print(f"fp16 matrix-multiply rate, measured now: {peak:.0f} TFLOP/s")
+    results = pd.DataFrame(run_benchmark(cases, sizes, load_v1()))
+    table = results.pivot_table(index=["D", "causal", "mode", "N"], columns="provider", values="value", sort=False)
+    groups = list(table.groupby(level=["D", "causal", "mode"], sort=False))
+    fig, axes = plt.subplots(2, 4, figsize=(20, 8.4), squeeze=False)
+    for ax, ((D, causal, mode), part) in zip(axes.flat, groups):
+        part.droplevel(["D", "causal", "mode"]).plot(ax=ax, marker="o", logx=True)
+        ax.axhline(peak, color="black", linestyle="--", label="fp16 matmul rate")
+        ax.set(title=f"{mode}, {'causal' if causal else 'non-causal'}, D = {D}", xlabel="N (sequence length)",
+               ylabel="TFLOP/s", ylim=(0, None))
+        ax.set_xticks(sizes, [str(n) for n in sizes], minor=False)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    plt.show()
+    table.round(1)
+
+# %%
+# Reading the numbers
+# -------------------
+# Computed from the table above, in this run: v2 against the strongest PyTorch backend (cuDNN where
+# it runs), and against v1.
+
+if __name__ == "__main__":
+    ours = "Triton v2 (this tutorial)"
+    peers = [c for c in table.columns if c.startswith("SDPA") or c == "flash-attn package"]
+    for (D, causal, mode), part in groups:
+        ratio = part[ours] / part[peers].max(axis=1)
+        line = (f"D={D:3d} {'causal    ' if causal else 'non-causal'} {mode}: v2 is {ratio.min():.2f}x to "
+                f"{ratio.max():.2f}x the fastest SDPA backend, at up to {part[ours].max() / peak:.0%} of the matmul rate")
+        if "Triton v1 (lesson 03)" in part:
+            v1 = part[ours] / part["Triton v1 (lesson 03)"]
+            line += f"; {v1.min():.1f}x to {v1.max():.1f}x v1"
+        print(line)
+    if not ON_GPU:
+        print("These are interpreter timings: they measure NumPy on the CPU, not GPU kernels.")
+    save_results("04-fused-attention-v2", [{
+        "name": f"attention v2 {mode}", "unit": "TFLOP/s", "ceiling_name": "fp16 matmul rate", "ceiling": peak,
+        "ours": [ours], "peers": peers,
+        "rows": [r for r in results.to_dict("records") if r["mode"] == mode]} for mode in ("fwd", "bwd")])
