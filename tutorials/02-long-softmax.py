@@ -56,13 +56,15 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 # speed of an ideal one-pass kernel, before anything else goes wrong.
 #
 # Two details make every kernel below cheaper. First, the exponential: GPUs have a hardware
-# instruction for :math:`2^x`, and :math:`e^x = 2^{x \log_2 e}`. Scaling :math:`x` by
-# :math:`\log_2 e` once when it is loaded turns every later exponential into a bare ``exp2``, and
-# the maximum of the scaled row is the scaled maximum, so nothing else changes. Second, the chunk's
+# instruction for :math:`2^x`, and :math:`e^x = 2^{x \log_2 e}`, so each exponential becomes
+# ``exp2((x - m) * log2(e))``. The order matters: it is tempting to scale :math:`x` by
+# :math:`\log_2 e` as soon as it is loaded and subtract a scaled maximum later, but for logits
+# near :math:`10^4` the product is rounded to fp32's spacing there (about :math:`10^{-3}`), and
+# that rounding becomes a :math:`10^{-3}` relative error in every output. Subtracting first is
+# exact for nearby values, and the small difference then scales without loss. (The attention
+# lessons fold the scale into the scores anyway: their scores are small.) Second, the chunk's
 # maximum and sum are kept *per lane* (a vector of ``BLOCK_N`` partial results) and reduced across
 # the lanes only once, after the loop, instead of once per chunk.
-
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -75,19 +77,19 @@ def three_pass_kernel(x_ptr, y_ptr, N, x_row_stride, x_col_stride, y_row_stride,
     lane_max = tl.full([BLOCK_N], -float("inf"), tl.float32)
     for start in tl.range(0, N, BLOCK_N):
         x = tl.load(x_row + (start + cols) * x_col_stride, mask=start + cols < N, other=-float("inf"))
-        lane_max = tl.maximum(lane_max, x.to(tl.float32) * 1.4426950408889634)
+        lane_max = tl.maximum(lane_max, x.to(tl.float32))
     row_max = tl.max(lane_max, axis=0)
     # Pass 2: the sum of exponentials.
     lane_sum = tl.zeros([BLOCK_N], tl.float32)
     for start in tl.range(0, N, BLOCK_N):
         x = tl.load(x_row + (start + cols) * x_col_stride, mask=start + cols < N, other=-float("inf"))
-        lane_sum += tl.exp2(x.to(tl.float32) * 1.4426950408889634 - row_max)
+        lane_sum += tl.exp2((x.to(tl.float32) - row_max) * 1.4426950408889634)
     row_sum = tl.sum(lane_sum, axis=0)
     # Pass 3: normalize and store.
     for start in tl.range(0, N, BLOCK_N):
         mask = start + cols < N
         x = tl.load(x_row + (start + cols) * x_col_stride, mask=mask, other=-float("inf"))
-        y = tl.exp2(x.to(tl.float32) * 1.4426950408889634 - row_max) / row_sum
+        y = tl.exp2((x.to(tl.float32) - row_max) * 1.4426950408889634) / row_sum
         tl.store(y_row + start + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -130,21 +132,22 @@ def online_softmax_kernel(x_ptr, y_ptr, N, x_row_stride, x_col_stride, y_row_str
     cols = tl.arange(0, BLOCK_N)
     lane_max = tl.full([BLOCK_N], -float("inf"), tl.float32)
     lane_sum = tl.zeros([BLOCK_N], tl.float32)
-    # Pass 1: running maximum and rescaled running sum, in base 2.
+    # Pass 1: running maximum and rescaled running sum.
     for start in tl.range(0, N, BLOCK_N):
         x = tl.load(x_row + (start + cols) * x_col_stride, mask=start + cols < N, other=-float("inf"))
-        x = x.to(tl.float32) * 1.4426950408889634
+        x = x.to(tl.float32)
         new_max = tl.maximum(lane_max, x)
         safe_max = tl.where(new_max == -float("inf"), 0.0, new_max)
-        lane_sum = lane_sum * tl.exp2(lane_max - safe_max) + tl.exp2(x - safe_max)
+        lane_sum = (lane_sum * tl.exp2((lane_max - safe_max) * 1.4426950408889634)
+                    + tl.exp2((x - safe_max) * 1.4426950408889634))
         lane_max = new_max
     row_max = tl.max(lane_max, axis=0)
-    row_sum = tl.sum(lane_sum * tl.exp2(lane_max - row_max), axis=0)
+    row_sum = tl.sum(lane_sum * tl.exp2((lane_max - row_max) * 1.4426950408889634), axis=0)
     # Pass 2: normalize and store.
     for start in tl.range(0, N, BLOCK_N):
         mask = start + cols < N
         x = tl.load(x_row + (start + cols) * x_col_stride, mask=mask, other=-float("inf"))
-        y = tl.exp2(x.to(tl.float32) * 1.4426950408889634 - row_max) / row_sum
+        y = tl.exp2((x.to(tl.float32) - row_max) * 1.4426950408889634) / row_sum
         tl.store(y_row + start + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -164,8 +167,8 @@ def row_on_chip_kernel(x_ptr, y_ptr, N, x_row_stride, x_col_stride, y_row_stride
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     x = tl.load(x_ptr + row * x_row_stride + cols * x_col_stride, mask=mask, other=-float("inf"))
-    x = x.to(tl.float32) * 1.4426950408889634
-    numerator = tl.exp2(x - tl.max(x, axis=0))
+    x = x.to(tl.float32)
+    numerator = tl.exp2((x - tl.max(x, axis=0)) * 1.4426950408889634)
     y = numerator / tl.sum(numerator, axis=0)
     tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 

@@ -1,0 +1,125 @@
+"""Both attention lessons, forward and backward, against float64 autograd on fresh random inputs."""
+
+import math
+
+import pytest
+import torch
+
+from conftest import load_tutorial
+
+LESSONS = {"v1": load_tutorial("03-fused-attention-v1"), "v2": load_tutorial("04-fused-attention-v2")}
+# Max error over the largest reference value (at least 1: with one key, dQ and dK are exactly 0).
+TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+def reference(q, k, v, causal, sm_scale):
+    s = (q @ k.transpose(-1, -2)) * sm_scale
+    if causal:
+        n = q.shape[2]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -math.inf)
+    return torch.softmax(s, dim=-1) @ v
+
+
+def check(attention, q, k, v, causal, rng):
+    sm_scale = q.shape[-1] ** -0.5
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = attention(q, k, v, causal, sm_scale)
+    do = torch.randn(out.shape, generator=rng).to(out.dtype)  # random dO: dO = 1 or dO = O hide bugs
+    out.backward(do)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference(q64, k64, v64, causal, sm_scale)
+    ref.backward(do.double())
+    assert out.shape == q.shape and out.dtype == q.dtype
+    for name, got, want in [("o", out, ref), ("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad), ("dv", v.grad, v64.grad)]:
+        assert torch.isfinite(got).all(), name
+        error = ((got.double() - want).abs().max() / want.abs().max().clamp(min=1.0)).item()
+        assert error < TOLERANCE[q.dtype], f"{name}: relative error {error:.2e}"
+
+
+def randn(shape, dtype, rng):
+    return torch.randn(shape, generator=rng).to(dtype)
+
+
+@pytest.mark.parametrize("version", LESSONS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("N", [1, 77, 300])
+@pytest.mark.parametrize("D", [16, 32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_forward_and_backward(version, causal, N, D, dtype, rng):
+    B, H = (1, 2) if N < 300 else (1, 1)
+    q, k, v = (randn((B, H, N, D), dtype, rng) for _ in range(3))
+    check(LESSONS[version].attention, q, k, v, causal, rng)
+
+
+@pytest.mark.parametrize("version", LESSONS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("N", [63, 65, 129])
+def test_lengths_around_block_boundaries(version, causal, N, rng):
+    q, k, v = (randn((2, 1, N, 32), torch.float16, rng) for _ in range(3))
+    check(LESSONS[version].attention, q, k, v, causal, rng)
+
+
+@pytest.mark.parametrize("version", LESSONS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_strided_inputs(version, causal, rng):
+    B, H, N, D = 2, 3, 70, 32
+    q = randn((B, N, H, D), torch.float16, rng).transpose(1, 2)  # (B, N, H, D) viewed as (B, H, N, D)
+    k = randn((B, H, D, N), torch.float16, rng).transpose(2, 3)  # column-major rows
+    v = randn((B, H, N, 2 * D), torch.float16, rng)[..., ::2]  # every other column
+    check(LESSONS[version].attention, q, k, v, causal, rng)
+
+
+def test_v2_non_causal_gradient_differs_from_causal(rng):
+    """The published v2 tutorial returned the causal gradient for causal=False; the two must differ."""
+    attention = LESSONS["v2"].attention
+    q, k, v = (randn((1, 1, 64, 32), torch.float16, rng).requires_grad_() for _ in range(3))
+    grads = []
+    for causal in (False, True):
+        out = attention(q, k, v, causal, 32 ** -0.5)
+        grads.append(torch.autograd.grad(out.sum(), (q, k, v)))
+    assert not torch.allclose(grads[0][1].float(), grads[1][1].float(), atol=1e-2)
+
+
+def good():
+    return [torch.randn(1, 2, 8, 32, dtype=torch.float16) for _ in range(3)]
+
+
+def swap(i, tensor):
+    qkv = good()
+    qkv[i] = tensor
+    return qkv
+
+
+BAD_INPUTS = [
+    (lambda: swap(1, torch.randn(1, 2, 9, 32, dtype=torch.float16)), ValueError, "same shape"),
+    (lambda: swap(2, torch.randn(1, 2, 8, 32, dtype=torch.bfloat16)), TypeError, "same dtype"),
+    (lambda: [torch.randn(1, 2, 8, 32) for _ in range(3)], TypeError, "float16 or bfloat16"),
+    (lambda: [torch.randn(1, 2, 8, 48, dtype=torch.float16) for _ in range(3)], ValueError, "head dim"),
+    (lambda: [torch.randn(2, 8, 32, dtype=torch.float16) for _ in range(3)], ValueError, "4 dimensions"),
+    (lambda: swap(0, "not a tensor"), TypeError, "torch.Tensor"),
+    (lambda: swap(1, torch.randn(1, 2, 8, 32, dtype=torch.float16, device="meta")), ValueError, "device"),
+    (lambda: [torch.randn(1, 2, 0, 32, dtype=torch.float16) for _ in range(3)], ValueError, "empty"),
+]
+
+
+@pytest.mark.parametrize("version", LESSONS)
+@pytest.mark.parametrize("make, error, message", BAD_INPUTS, ids=[m for _, _, m in BAD_INPUTS])
+def test_bad_input_is_refused_clearly(version, make, error, message):
+    with pytest.raises(error, match=message):
+        LESSONS[version].attention(*make(), True, 0.125)
+
+
+@pytest.mark.parametrize("version", LESSONS)
+def test_bad_flags_are_refused(version):
+    with pytest.raises(TypeError, match="causal"):
+        LESSONS[version].attention(*good(), "yes", 0.125)
+    with pytest.raises(TypeError, match="sm_scale"):
+        LESSONS[version].attention(*good(), True, float("nan"))
+
+
+def test_fp8_refused_without_fp8_tensor_cores():
+    if LESSONS["v2"].fp8_supported():
+        pytest.skip("this GPU has fp8 tensor cores")
+    qkv = [torch.randn(1, 2, 8, 32).to(torch.float8_e5m2) for _ in range(3)]
+    with pytest.raises(TypeError, match="fp8 tensor cores"):
+        LESSONS["v2"].attention(*qkv, True, 0.125)
