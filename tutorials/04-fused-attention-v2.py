@@ -160,29 +160,34 @@ def attn_fwd_kernel(
 # choices keep that affordable: the key is the head dimension, the causal flag and the sequence
 # length rounded to a power of two (not the exact length, which would re-tune for every new
 # :math:`N`), and configurations that cannot work are pruned before any is compiled: tiles that
-# break the causal split, and large tiles at :math:`D = 128`, whose registers would spill. Under the
-# interpreter there is nothing to tune, and one configuration runs.
+# break the causal split, and pipelines whose buffered key and value tiles
+# (``num_stages x 2 x BLOCK_N x D`` elements) would not fit in the SM's shared memory. The candidate
+# list itself is short because it was measured: ``tools/tune.py attention`` in this repository
+# sweeps a wider space on a GPU, and these are the configurations that won somewhere on an H100.
+# (An early version of this lesson also pruned 128 x 128 tiles at :math:`D = 128`, guessing that
+# they would spill registers; the sweep showed they are the fastest there, by 5%. Measure, don't
+# guess.) Under the interpreter there is nothing to tune, and one configuration runs.
 
 
-def _fwd_configs():
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bm, bn, w, s in [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4), (64, 64, 4, 3)]]
+def _configs(shapes):
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in shapes]
+
+
+SHARED_MEMORY_BYTES = 227 * 1024  # per block on Hopper; smaller GPUs fail to compile the rest
+
+
+def _fits(config, D):
+    return config.num_stages * 2 * config.kwargs["BLOCK_N"] * D * 2 <= SHARED_MEMORY_BYTES
 
 
 def _prune_fwd(configs, named_args, **kwargs):
-    D = named_args["D"] if "D" in named_args else kwargs["D"]
-    keep = [c for c in configs if c.kwargs["BLOCK_M"] % c.kwargs["BLOCK_N"] == 0
-            and not (D >= 128 and c.kwargs["BLOCK_N"] >= 128)]
-    return keep or configs[:1]
-
-
-def _bwd_configs():
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bm, bn, w, s in [(32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4)]]
+    keep = [c for c in configs if c.kwargs["BLOCK_M"] % c.kwargs["BLOCK_N"] == 0 and _fits(c, kwargs.get("D", named_args.get("D")))]
+    return keep or configs[-1:]
 
 
 def _prune_bwd(configs, named_args, **kwargs):
-    return [c for c in configs if c.kwargs["BLOCK_M"] <= c.kwargs["BLOCK_N"]] or configs[:1]
+    keep = [c for c in configs if c.kwargs["BLOCK_M"] <= c.kwargs["BLOCK_N"] and _fits(c, kwargs.get("D", named_args.get("D")))]
+    return keep or configs[-1:]
 
 
 # %%
@@ -362,11 +367,13 @@ def attn_bwd_dq_kernel(
 # -------------------------
 
 if ON_GPU:
-    _fwd = triton.autotune(_fwd_configs(), key=["D", "CAUSAL", "N_BUCKET"],
+    FWD_SHAPES = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)]
+    BWD_SHAPES = [(64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4), (32, 128, 4, 3)]
+    _fwd = triton.autotune(_configs(FWD_SHAPES), key=["D", "CAUSAL", "N_BUCKET"],
                            prune_configs_by={"early_config_prune": _prune_fwd})(attn_fwd_kernel)
-    _dkdv = triton.autotune(_bwd_configs(), key=["D", "CAUSAL", "N_BUCKET"],
+    _dkdv = triton.autotune(_configs(BWD_SHAPES), key=["D", "CAUSAL", "N_BUCKET"],
                             prune_configs_by={"early_config_prune": _prune_bwd})(attn_bwd_dkdv_kernel)
-    _dq = triton.autotune(_bwd_configs(), key=["D", "CAUSAL", "N_BUCKET"],
+    _dq = triton.autotune(_configs(BWD_SHAPES), key=["D", "CAUSAL", "N_BUCKET"],
                           prune_configs_by={"early_config_prune": _prune_bwd})(attn_bwd_dq_kernel)
     _FIXED_FWD = _FIXED_BWD = {}
 else:
