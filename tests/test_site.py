@@ -4,37 +4,18 @@ notebook valid and runnable, and a failing tutorial failing the build by name.""
 import json
 import re
 import shutil
-import subprocess
 import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TUTORIALS
+from conftest import ROOT, TUTORIALS, sphinx
 
 sys.path.insert(0, str(ROOT / "docs" / "_ext"))
 import perf_summary  # noqa: E402
 
 LESSONS = sorted(p.stem for p in TUTORIALS.glob("[0-9][0-9]-*.py"))
-HTML = ROOT / "build" / "html"
-
-
-def sphinx(src_root, out, *extra):
-    """The command `make html` runs, with this interpreter."""
-    return subprocess.run(
-        [sys.executable, "-m", "sphinx", "-b", "html", "-W", "--keep-going", *extra,
-         "-d", str(out / "doctrees"), str(src_root / "docs"), str(out / "html")],
-        cwd=src_root, capture_output=True, text=True)
-
-
-@pytest.fixture(scope="session")
-def site():
-    result = sphinx(ROOT, ROOT / "build")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    assert "warning" not in result.stderr.lower(), result.stderr
-    return HTML
-
 
 class Links(HTMLParser):
     def __init__(self):

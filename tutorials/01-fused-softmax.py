@@ -127,16 +127,16 @@ def softmax_kernel(
 # * ``NUM_STAGES = 1``: no software pipelining across tiles. Pipelining keeps the next tile in
 #   shared memory while the current one is computed on; with this many small programs per SM, the
 #   programs already overlap each other's loads, and on an H100 a second stage was no faster.
-#
-# These choices were not guessed: ``tools/tune.py softmax`` in this site's repository sweeps tile
-# heights, warps, stages and grid styles on a GPU, and the rules above follow its winners. A first
-# version of this lesson used 16 KiB tiles and two stages; the sweep found it up to 20% slower for
-# bf16 rows of 1,024 to 4,096 elements.
 # * the grid: *occupancy* is how many programs an SM can host at once, limited by its registers
 #   (65,536 32-bit registers on recent NVIDIA GPUs), its shared memory and its thread slots. We
 #   compile the kernel first, read how many registers and how much shared memory it uses, compute
 #   the occupancy, and launch exactly as many programs as fit at once on all SMs. Each then loops
 #   over its share of the tiles.
+#
+# These choices were not guessed: ``tools/tune.py softmax`` in this site's repository sweeps tile
+# heights, warps, stages and grid styles on a GPU, and the rules above follow its winners. A first
+# version of this lesson used 16 KiB tiles and two stages; the sweep found it up to 20% slower for
+# bf16 rows of 1,024 to 4,096 elements.
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -328,6 +328,7 @@ if __name__ == "__main__":
         ax.axhline(copy_gbs, color="black", linestyle="--", label="copy bandwidth")
         ax.set(title=f"softmax, M = {M}, {dtype}", xlabel="N (row length)", ylabel="GB/s", ylim=(0, None))
         ax.set_xticks(sizes, [str(n) for n in sizes], rotation=45, minor=False)
+        ax.minorticks_off()
         ax.legend(fontsize=8)
     fig.tight_layout()
     plt.show()

@@ -345,6 +345,7 @@ if __name__ == "__main__":
         ax.axhline(copy_gbs, color="black", linestyle="--", label="copy bandwidth")
         ax.set(title=f"long-row softmax, M = {M}, {dtype}", xlabel="N (row length)", ylabel="GB/s", ylim=(0, None))
         ax.set_xticks(sizes, [str(n) for n in sizes], minor=False)
+        ax.minorticks_off()
         ax.legend(fontsize=8)
     fig.tight_layout()
     plt.show()

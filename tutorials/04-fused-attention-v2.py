@@ -668,6 +668,7 @@ if __name__ == "__main__":
         ax.set(title=f"{mode}, {'causal' if causal else 'non-causal'}, D = {D}", xlabel="N (sequence length)",
                ylabel="TFLOP/s", ylim=(0, None))
         ax.set_xticks(sizes, [str(n) for n in sizes], minor=False)
+        ax.minorticks_off()
         ax.legend(fontsize=7)
     fig.tight_layout()
     plt.show()
