@@ -14,6 +14,7 @@ the same case, and its best and worst fraction of the device ceiling measured in
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
 from docutils import nodes
@@ -55,6 +56,16 @@ def summarize(bench):
             "worst_fraction": min(fractions),
         })
     return out
+
+
+def gpu_driver():
+    """The NVIDIA driver of the machine running this build (the one the tutorials just ran on)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "unknown"
 
 
 def load_results(results_dir):
@@ -104,6 +115,8 @@ class PerfSummary(Directive):
                 "the interpreter, not a GPU, and say nothing about how fast these kernels are."))))
         for platform in platforms:
             out.append(nodes.paragraph(text="Measured on: " + platform))
+        if any(r["on_gpu"] for r in results):
+            out.append(nodes.paragraph(text="NVIDIA driver: " + gpu_driver()))
         dates = sorted({r["date"] for r in results})
         out.append(nodes.paragraph(text="Date of the measurements: " + ", ".join(dates)))
         header = ["tutorial", "benchmark", "kernel", "best vs. strongest peer",
