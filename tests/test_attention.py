@@ -8,6 +8,7 @@ import torch
 from conftest import load_tutorial
 
 LESSONS = {"v1": load_tutorial("03-fused-attention-v1"), "v2": load_tutorial("04-fused-attention-v2")}
+DEVICE = LESSONS["v2"].DEVICE  # the lessons run where Triton does: the GPU if there is one
 # Max error over the largest reference value (at least 1: with one key, dQ and dK are exactly 0).
 TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
@@ -16,15 +17,15 @@ def reference(q, k, v, causal, sm_scale):
     s = (q @ k.transpose(-1, -2)) * sm_scale
     if causal:
         n = q.shape[2]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -math.inf)
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), -math.inf)
     return torch.softmax(s, dim=-1) @ v
 
 
 def check(attention, q, k, v, causal, rng):
     sm_scale = q.shape[-1] ** -0.5
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    q, k, v = (t.detach().to(DEVICE).requires_grad_() for t in (q, k, v))
     out = attention(q, k, v, causal, sm_scale)
-    do = torch.randn(out.shape, generator=rng).to(out.dtype)  # random dO: dO = 1 or dO = O hide bugs
+    do = torch.randn(out.shape, generator=rng).to(DEVICE, out.dtype)  # random dO: dO = 1 or dO = O hide bugs
     out.backward(do)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = reference(q64, k64, v64, causal, sm_scale)
@@ -37,7 +38,8 @@ def check(attention, q, k, v, causal, rng):
 
 
 def randn(shape, dtype, rng):
-    return torch.randn(shape, generator=rng).to(dtype)
+    """Fresh inputs on the lessons' device, so that views taken of them keep their strides there."""
+    return torch.randn(shape, generator=rng).to(DEVICE, dtype)
 
 
 @pytest.mark.parametrize("version", LESSONS)
@@ -72,7 +74,7 @@ def test_strided_inputs(version, causal, rng):
 def test_v2_non_causal_gradient_differs_from_causal(rng):
     """The published v2 tutorial returned the causal gradient for causal=False; the two must differ."""
     attention = LESSONS["v2"].attention
-    q, k, v = (randn((1, 1, 64, 32), torch.float16, rng).requires_grad_() for _ in range(3))
+    q, k, v = (randn((1, 1, 64, 32), torch.float16, rng).to(DEVICE).requires_grad_() for _ in range(3))
     grads = []
     for causal in (False, True):
         out = attention(q, k, v, causal, 32 ** -0.5)
@@ -81,7 +83,7 @@ def test_v2_non_causal_gradient_differs_from_causal(rng):
 
 
 def good():
-    return [torch.randn(1, 2, 8, 32, dtype=torch.float16) for _ in range(3)]
+    return [torch.randn(1, 2, 8, 32, dtype=torch.float16, device=DEVICE) for _ in range(3)]
 
 
 def swap(i, tensor):
@@ -91,14 +93,14 @@ def swap(i, tensor):
 
 
 BAD_INPUTS = [
-    (lambda: swap(1, torch.randn(1, 2, 9, 32, dtype=torch.float16)), ValueError, "same shape"),
-    (lambda: swap(2, torch.randn(1, 2, 8, 32, dtype=torch.bfloat16)), TypeError, "same dtype"),
-    (lambda: [torch.randn(1, 2, 8, 32) for _ in range(3)], TypeError, "float16 or bfloat16"),
-    (lambda: [torch.randn(1, 2, 8, 48, dtype=torch.float16) for _ in range(3)], ValueError, "head dim"),
-    (lambda: [torch.randn(2, 8, 32, dtype=torch.float16) for _ in range(3)], ValueError, "4 dimensions"),
+    (lambda: swap(1, torch.randn(1, 2, 9, 32, dtype=torch.float16, device=DEVICE)), ValueError, "same shape"),
+    (lambda: swap(2, torch.randn(1, 2, 8, 32, dtype=torch.bfloat16, device=DEVICE)), TypeError, "same dtype"),
+    (lambda: [torch.randn(1, 2, 8, 32, device=DEVICE) for _ in range(3)], TypeError, "float16 or bfloat16"),
+    (lambda: [torch.randn(1, 2, 8, 48, dtype=torch.float16, device=DEVICE) for _ in range(3)], ValueError, "head dim"),
+    (lambda: [torch.randn(2, 8, 32, dtype=torch.float16, device=DEVICE) for _ in range(3)], ValueError, "4 dimensions"),
     (lambda: swap(0, "not a tensor"), TypeError, "torch.Tensor"),
     (lambda: swap(1, torch.randn(1, 2, 8, 32, dtype=torch.float16, device="meta")), ValueError, "device"),
-    (lambda: [torch.randn(1, 2, 0, 32, dtype=torch.float16) for _ in range(3)], ValueError, "empty"),
+    (lambda: [torch.randn(1, 2, 0, 32, dtype=torch.float16, device=DEVICE) for _ in range(3)], ValueError, "empty"),
 ]
 
 
@@ -120,6 +122,6 @@ def test_bad_flags_are_refused(version):
 def test_fp8_refused_without_fp8_tensor_cores():
     if LESSONS["v2"].fp8_supported():
         pytest.skip("this GPU has fp8 tensor cores")
-    qkv = [torch.randn(1, 2, 8, 32).to(torch.float8_e5m2) for _ in range(3)]
+    qkv = [torch.randn(1, 2, 8, 32, device=DEVICE).to(torch.float8_e5m2) for _ in range(3)]
     with pytest.raises(TypeError, match="fp8 tensor cores"):
         LESSONS["v2"].attention(*qkv, True, 0.125)

@@ -14,6 +14,7 @@ KERNELS = {
     "online": lambda x: LESSON_02.online_softmax(x, block_n=64),
     "online-default-chunk": LESSON_02.online_softmax,
     "row-on-chip": LESSON_02.row_on_chip_softmax,
+    "split-row": LESSON_02.split_row_softmax,
     "long": LESSON_02.long_softmax,
 }
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -21,6 +22,7 @@ SHAPES = [(1, 1), (1, 781), (7, 1), (3, 2), (37, 100), (5, 257), (2, 4099)]
 
 
 def check(kernel, x):
+    x = x.to(LESSON_01.DEVICE)  # the lessons run where Triton does: the GPU if there is one
     y = kernel(x)
     assert y.shape == x.shape and y.dtype == x.dtype
     reference = torch.softmax(x.double(), dim=1)
@@ -36,9 +38,10 @@ def test_matches_float64_reference(name, shape, dtype, rng):
 
 @pytest.mark.parametrize("name", KERNELS)
 def test_strided_rows_and_columns(name, rng):
-    wide = torch.randn(13, 300, generator=rng)
+    # Views are made on the lessons' device: moving a view to another device would make it contiguous.
+    wide = torch.randn(13, 300, generator=rng).to(LESSON_01.DEVICE)
     check(KERNELS[name], wide[:, 7:207])  # rows with a stride: a slice of a wider tensor
-    check(KERNELS[name], torch.randn(90, 11, generator=rng).t())  # a transposed view
+    check(KERNELS[name], torch.randn(90, 11, generator=rng).to(LESSON_01.DEVICE).t())  # a transposed view
 
 
 @pytest.mark.parametrize("name", KERNELS)
@@ -55,9 +58,24 @@ def test_numerically_stable(name, dtype, rng):
 
 
 def test_row_on_chip_refuses_rows_too_long():
-    x = torch.randn(1, LESSON_02.ROW_ON_CHIP_LIMIT + 1)
+    x = torch.randn(1, LESSON_02.ROW_ON_CHIP_LIMIT + 1, device=LESSON_02.DEVICE)
     with pytest.raises(ValueError, match="at most"):
         LESSON_02.row_on_chip_softmax(x)
+
+
+def test_split_row_refuses_to_split_under_the_interpreter():
+    if LESSON_02.ON_GPU:
+        pytest.skip("on a GPU the programs of a row run together")
+    with pytest.raises(ValueError, match="one after another"):
+        LESSON_02.split_row_softmax(torch.randn(2, 100), chunk=32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="programs sharing a row need a GPU")
+@pytest.mark.parametrize("N, chunk", [(5001, 512), (70001, 8192), (1000, 64), (4096, 4096)])
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
+def test_split_row_shares_rows_between_programs_on_gpu(N, chunk, dtype):
+    x = (torch.randn(37, N, device="cuda") * 10).to(dtype)
+    check(lambda t: LESSON_02.split_row_softmax(t, chunk=chunk), x)
 
 
 BAD_INPUTS = [

@@ -1,6 +1,7 @@
 """Sweep the launch choices of the lessons' kernels on a GPU, to pick the defaults the lessons ship.
 
     python tools/tune.py softmax        # tile height, warps, pipelining depth, persistent or not
+    python tools/tune.py split-row      # chunk and warps of lesson 02's row-sharing kernel
     python tools/tune.py attention      # forward and backward configurations of lesson 04
 
 Prints, per problem, the fastest settings and their speed next to the lesson's current choice.
@@ -58,6 +59,28 @@ def tune_softmax():
             print(f"{str(dtype)[6:]:9s} N={N:6d} current {current:5.0f} | best {top}", flush=True)
 
 
+def tune_split_row():
+    lesson = load_tutorial("02-long-softmax")
+    M = 4096
+    for dtype in (torch.float32, torch.bfloat16):
+        for N in (65536, 131072, 262144):
+            x = torch.randn(M, N, device="cuda", dtype=dtype)
+            gbs = lambda ms: 2 * x.numel() * x.element_size() / ms * 1e-6  # noqa: E731
+            reference = torch.softmax(x.double(), dim=1)
+            results = []
+            for chunk, warps in itertools.product((4096, 8192, 16384, 32768), (4, 8, 16, 32)):
+                if not 4 <= chunk // (warps * 32) <= 64:
+                    continue
+                fn = lambda: lesson.split_row_softmax(x, chunk=chunk, num_warps=warps)  # noqa: E731
+                error = (fn().double() - reference).abs().max().item()
+                assert error < 1e-2, (chunk, warps, error)
+                results.append((gbs(bench(fn)), chunk, warps))
+            results.sort(reverse=True)
+            online = gbs(bench(lambda: lesson.online_softmax(x)))
+            top = "; ".join(f"{g:.0f} GB/s chunk={c} w={w}" for g, c, w in results[:4])
+            print(f"{str(dtype)[6:]:9s} N={N:6d} online {online:5.0f} | split {top}", flush=True)
+
+
 def tune_attention():
     lesson = load_tutorial("04-fused-attention-v2")
     fwd_space = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2), (128, 32, 8, 4),
@@ -107,4 +130,4 @@ def tune_attention():
 
 
 if __name__ == "__main__":
-    {"softmax": tune_softmax, "attention": tune_attention}[sys.argv[1]]()
+    {"softmax": tune_softmax, "split-row": tune_split_row, "attention": tune_attention}[sys.argv[1]]()

@@ -14,8 +14,10 @@ You will learn:
 * the online softmax of Milakov and Gimelshein (2018), derived step by step: a running maximum
   with a rescaled running sum, in two passes;
 * why ``exp2`` with :math:`\\log_2 e` folded into the input is the exponential to use;
-* how far a single program can stretch before a row must leave the chip, measured against
-  ``torch.softmax`` and ``torch.compile`` as fractions of the copy bandwidth.
+* how far a single program can stretch before a row must leave the chip, and how several programs
+  can share one row so that it is still read only once;
+* how each compares with ``torch.softmax`` and ``torch.compile``, as fractions of the copy
+  bandwidth.
 """
 
 # %%
@@ -226,10 +228,122 @@ def row_on_chip_softmax(x):
     return _launch(row_on_chip_kernel, x, block_n, num_warps=max(1, min(32, block_n // 32)))
 
 
-def long_softmax(x):
-    """The best of this lesson's kernels for the row length: one pass while a row fits, else two."""
+# %%
+# Beyond one SM: programs that share a row
+# ----------------------------------------
+# Once a row no longer fits in one SM, the two-pass kernel reads it twice, and the ceiling for that
+# is two thirds of the copy bandwidth. To read a long row only once, several programs must share
+# it. Each of ``SPLITS`` programs holds one chunk of the row in registers and computes the chunk's
+# maximum :math:`m_c` and sum :math:`d_c = \sum e^{x - m_c}`. It publishes the pair to a small
+# buffer in device memory and increments the row's *arrival counter*, then waits until the counter
+# shows every chunk has arrived. It merges all the pairs with the online-softmax rule,
+# :math:`m = \max_c m_c`, :math:`d = \sum_c d_c\, e^{m_c - m}`, and normalizes the chunk it still
+# holds. Each element is read once and written once, like the fused kernel, for rows of any length
+# that the whole GPU can hold.
+#
+# Waiting for another program is something GPU kernels normally never do, and it takes care:
+#
+# * **Every program of a row must be running at the same time**, or the ones that wait spin
+#   forever on a chunk that never arrives. The launcher therefore compiles the kernel first, reads
+#   how many programs fit on the GPU at once (its occupancy) and launches no more than that. Each
+#   group of ``SPLITS`` programs then walks its share of the rows.
+# * **Memory ordering.** The pair must be visible before the counter says it is. The increment is
+#   an atomic with *release* semantics, and the polling read an atomic with *acquire* semantics;
+#   the pairs are read back with ``volatile`` loads that bypass the SM's non-coherent L1 cache.
+# * **The interpreter runs programs one after another.** A program that waits for a later one
+#   would wait forever there, so under the interpreter the launcher gives each row to a single
+#   program (``SPLITS = 1``), which exercises everything but the waiting. The lesson's correctness
+#   check below runs the cooperative version on a GPU, on rows split ten ways.
+#
+# (On Hopper, thread-block clusters with distributed shared memory do this exchange in hardware,
+# without a round trip through device memory; Triton does not expose them.)
+
+
+@triton.jit
+def split_row_kernel(x_ptr, y_ptr, stats_ptr, arrived_ptr, M, N, x_row_stride, x_col_stride, y_row_stride,
+                     CHUNK: tl.constexpr, SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr):
+    pid = tl.program_id(0)
+    groups = tl.num_programs(0) // SPLITS
+    split = pid % SPLITS
+    cols = split * CHUNK + tl.arange(0, CHUNK)
+    col_ok = cols < N
+    chunks = tl.arange(0, SPLITS_POW2)
+    for row in tl.range(pid // SPLITS, M, groups):
+        row64 = tl.cast(row, tl.int64)
+        x = tl.load(x_ptr + row64 * x_row_stride + cols * x_col_stride, mask=col_ok, other=-float("inf"))
+        x = x.to(tl.float32)
+        chunk_max = tl.max(x, axis=0)
+        safe_max = tl.where(chunk_max == -float("inf"), 0.0, chunk_max)
+        chunk_sum = tl.sum(tl.exp2((x - safe_max) * 1.4426950408889634), axis=0)
+        stats = stats_ptr + (row64 * SPLITS + split) * 2
+        tl.store(stats, chunk_max)
+        tl.store(stats + 1, chunk_sum)
+        tl.debug_barrier()  # every thread's stores are done before one thread signals
+        tl.atomic_add(arrived_ptr + row, 1, sem="release")
+        while tl.atomic_add(arrived_ptr + row, 0, sem="acquire") < SPLITS:
+            pass
+        all_stats = stats_ptr + (row64 * SPLITS + chunks) * 2
+        maxes = tl.load(all_stats, mask=chunks < SPLITS, other=-float("inf"), volatile=True)
+        sums = tl.load(all_stats + 1, mask=chunks < SPLITS, other=0.0, volatile=True)
+        row_max = tl.max(maxes, axis=0)
+        row_sum = tl.sum(sums * tl.exp2((maxes - row_max) * 1.4426950408889634), axis=0)
+        y = tl.exp2((x - row_max) * 1.4426950408889634) / row_sum
+        tl.store(y_ptr + row64 * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
+
+
+# Elements per program on a GPU, held by 4 warps (64 per thread): the winner of
+# `tools/tune.py split-row` on an H100, for fp32 and bf16 alike.
+SPLIT_CHUNK = 8192
+_resident = {}
+
+
+def _programs_that_fit(args, meta, num_warps):
+    """How many programs of this kernel the GPU holds at once (all of them must run together)."""
+    key = (args[0].device, args[0].dtype, tuple(sorted(meta.items())), num_warps)
+    if key not in _resident:
+        kernel = split_row_kernel.warmup(*args, **meta, num_warps=num_warps, grid=(1,))
+        kernel._init_handles()
+        props = torch.cuda.get_device_properties(args[0].device)
+        threads = num_warps * 32
+        per_sm = min(props.regs_per_multiprocessor // max(1, kernel.n_regs * threads),
+                     props.max_threads_per_multi_processor // threads,
+                     props.shared_memory_per_multiprocessor // max(1, kernel.metadata.shared))
+        _resident[key] = props.multi_processor_count * per_sm
+    return _resident[key]
+
+
+def split_row_softmax(x, chunk=None, num_warps=None):
+    """Row-wise softmax reading each row once, any length: SPLITS programs share a row on a GPU."""
     check_input(x)
-    return row_on_chip_softmax(x) if x.shape[1] <= ROW_ON_CHIP_LIMIT else online_softmax(x)
+    M, N = x.shape
+    chunk = chunk or (SPLIT_CHUNK if ON_GPU else triton.next_power_of_2(N))
+    splits = triton.cdiv(N, chunk)
+    if splits > 1 and not ON_GPU:
+        raise ValueError("split_row_softmax cannot split a row under the Triton interpreter: its programs run "
+                         "one after another, and a program waiting for another would wait forever")
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    stats = torch.empty((M, splits, 2), dtype=torch.float32, device=x.device)
+    arrived = torch.zeros((M,), dtype=torch.int32, device=x.device)
+    args = (x, y, stats, arrived, M, N, x.stride(0), x.stride(1), y.stride(0))
+    meta = dict(CHUNK=chunk, SPLITS=splits, SPLITS_POW2=triton.next_power_of_2(splits))
+    num_warps = num_warps or max(1, min(16, chunk // 2048))
+    if ON_GPU:
+        groups = min(M, _programs_that_fit(args, meta, num_warps) // splits)
+        if groups == 0:
+            raise ValueError(f"a row of {N} elements needs {splits} programs at once, more than this GPU holds")
+    else:
+        groups = M
+    split_row_kernel[(groups * splits,)](*args, **meta, num_warps=num_warps)
+    return y
+
+
+def long_softmax(x):
+    """The best of this lesson's kernels for the row length: one program per row while a row fits
+    in one SM, otherwise programs that share a row (on a GPU) or the two-pass online kernel."""
+    check_input(x)
+    if x.shape[1] <= ROW_ON_CHIP_LIMIT:
+        return row_on_chip_softmax(x)
+    return split_row_softmax(x) if ON_GPU else online_softmax(x)
 
 
 # %%
@@ -244,7 +358,8 @@ if __name__ == "__main__":
     reference = torch.softmax(x.double(), dim=1)
     for name, fn in [("three-pass", lambda t: three_pass_softmax(t, block_n=512)),
                      ("online", lambda t: online_softmax(t, block_n=512)),
-                     ("row on chip", row_on_chip_softmax)]:
+                     ("row on chip", row_on_chip_softmax),
+                     ("split row", lambda t: split_row_softmax(t, chunk=512 if ON_GPU else None))]:
         error = (fn(x).double() - reference).abs().max().item()
         print(f"{name:12s} max abs error vs float64 on 37x5001: {error:.2e}")
         assert error < 1e-6, (name, error)
@@ -305,7 +420,8 @@ def save_results(tutorial, benchmarks):
         json.dump(record, f, indent=1)
 
 
-OURS = {"three-pass": three_pass_softmax, "online (two-pass)": online_softmax, "row on chip (one pass)": row_on_chip_softmax}
+OURS = {"three-pass": three_pass_softmax, "online (two-pass)": online_softmax,
+        "row on chip (one pass)": row_on_chip_softmax, "split row (one pass, shared)": split_row_softmax}
 
 
 def run_benchmark(M, sizes, dtypes):
@@ -356,8 +472,9 @@ if __name__ == "__main__":
 # --------------------
 # Computed from the table above, in this run: for each row length, the fastest of this lesson's
 # kernels, its speed relative to the best of the PyTorch peers, and its share of the copy
-# bandwidth. The byte counts predict at most 1/2 of the copy bandwidth for three passes and 2/3 for
-# two (a pass that re-reads data still in the L2 cache can do a little better).
+# bandwidth. The byte counts predict at most 1/2 of the copy bandwidth for three passes, 2/3 for
+# two (a pass that re-reads data still in the L2 cache can do a little better), and all of it for
+# the one-pass kernels.
 
 if __name__ == "__main__":
     peers = [c for c in table.columns if c not in OURS]
@@ -372,14 +489,3 @@ if __name__ == "__main__":
     save_results("02-long-softmax", [{
         "name": f"long-row softmax, M = {M}", "unit": "GB/s", "ceiling_name": "copy bandwidth", "ceiling": copy_gbs,
         "ours": list(OURS), "peers": peers, "rows": results.to_dict("records")}])
-
-# %%
-# Beyond one SM
-# -------------
-# Once a row no longer fits in one SM, the two-pass kernel reads it twice, and the ceiling for that
-# is two thirds of the copy bandwidth. To read a long row only once, several programs must share
-# it: each holds a slice on chip, they exchange their partial maxima and sums, and each normalizes
-# its own slice. That needs the programs to run at the same time and to wait for each other (on
-# Hopper, a *thread-block cluster* with distributed shared memory does this in hardware; it is how
-# the fastest published long-row softmax kernels keep whole rows on chip). That is the subject for
-# a later lesson.
