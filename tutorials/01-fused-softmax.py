@@ -242,7 +242,7 @@ def describe_platform():
 
 
 def bench_ms(fn):
-    """Median time of fn() in milliseconds."""
+    """Median time of fn() in milliseconds: do_bench on a GPU, wall clock under the interpreter."""
     if ON_GPU:
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
     fn()

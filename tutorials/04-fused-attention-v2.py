@@ -663,7 +663,7 @@ if __name__ == "__main__":
     groups = list(table.groupby(level=["D", "causal", "mode"], sort=False))
     fig, axes = plt.subplots(2, 4, figsize=(20, 8.4), squeeze=False)
     for ax, ((D, causal, mode), part) in zip(axes.flat, groups):
-        part.droplevel(["D", "causal", "mode"]).plot(ax=ax, marker="o", logx=True)
+        part.droplevel(["D", "causal", "mode"]).dropna(axis=1, how="all").plot(ax=ax, marker="o", logx=True)
         ax.axhline(peak, color="black", linestyle="--", label="fp16 matmul rate")
         ax.set(title=f"{mode}, {'causal' if causal else 'non-causal'}, D = {D}", xlabel="N (sequence length)",
                ylabel="TFLOP/s", ylim=(0, None))
@@ -691,6 +691,10 @@ if __name__ == "__main__":
             v1 = part[ours] / part["Triton v1 (lesson 03)"]
             line += f"; {v1.min():.1f}x to {v1.max():.1f}x v1"
         print(line)
+    if "Triton v2 fp8" in table:
+        fp8 = (table["Triton v2 fp8"] / table[ours]).dropna()
+        print(f"fp8 forward vs. fp16 forward: {fp8.min():.2f}x to {fp8.max():.2f}x. This lesson feeds fp8 operands "
+              "to the fp16 kernel unchanged; it does not yet arrange V the way fp8 tensor cores prefer.")
     if not ON_GPU:
         print("These are interpreter timings: they measure NumPy on the CPU, not GPU kernels.")
     save_results("04-fused-attention-v2", [{

@@ -120,7 +120,7 @@ class PerfSummary(Directive):
         dates = sorted({r["date"] for r in results})
         out.append(nodes.paragraph(text="Date of the measurements: " + ", ".join(dates)))
         header = ["tutorial", "benchmark", "kernel", "best vs. strongest peer",
-                  "worst vs. strongest peer", "fraction of ceiling (best / worst)", "ceiling"]
+                  "worst vs. strongest peer", "fraction of the ceiling", "ceiling"]
         rows = []
         for result in results:
             for bench in result["benchmarks"]:
@@ -130,8 +130,8 @@ class PerfSummary(Directive):
                     rows.append([
                         result["tutorial"], bench["name"], s["kernel"],
                         ratio(s["best_ratio"]), ratio(s["worst_ratio"]),
-                        f"{s['best_fraction'][0]:.0%} / {s['worst_fraction'][0]:.0%} "
-                        f"({_case_text(s['worst_fraction'][1])})",
+                        f"best {s['best_fraction'][0]:.0%} ({_case_text(s['best_fraction'][1])}), "
+                        f"worst {s['worst_fraction'][0]:.0%} ({_case_text(s['worst_fraction'][1])})",
                         f"{bench['ceiling_name']}: {bench['ceiling']:.4g} {bench['unit']}",
                     ])
         out.append(_table(header, rows))
