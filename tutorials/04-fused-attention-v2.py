@@ -701,3 +701,37 @@ if __name__ == "__main__":
         "name": f"attention v2 {mode}", "unit": "TFLOP/s", "ceiling_name": "fp16 matmul rate", "ceiling": peak,
         "ours": [ours], "peers": peers,
         "rows": [r for r in results.to_dict("records") if r["mode"] == mode]} for mode in ("fwd", "bwd")])
+
+# %%
+# Why the smallest sizes look slow: who waits for whom
+# ----------------------------------------------------
+# At :math:`N = 1024` the whole forward pass is a fraction of a millisecond of GPU work. Launching
+# it is not free: the autograd function, the autotuner's lookup and Triton's binding of some thirty
+# arguments (every stride of every tensor) run in Python for each call. When the host needs longer
+# to enqueue a call than the GPU needs to run it, the GPU idles between calls and the benchmark
+# measures the host. The check below times both for the smallest and largest size of the sweep.
+# (The usual cures are CUDA graphs, which replay a whole sequence of launches at once, or larger
+# batches of work per call.)
+
+
+def host_and_gpu_ms(fn, calls=50):
+    """(host ms to enqueue one call, device ms per call), the first without waiting for the GPU."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls * 1e3
+    torch.cuda.synchronize()
+    return host, bench_ms(fn)
+
+
+if __name__ == "__main__" and ON_GPU:
+    B, H, D = cases[0]
+    for N in (sizes[0], sizes[-1]):
+        q, k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16) for _ in range(3))
+        host, gpu = host_and_gpu_ms(lambda: attention(q, k, v, False, D ** -0.5))
+        verdict = "the host is the bottleneck" if host > 0.8 * gpu else "the GPU is the bottleneck"
+        print(f"forward, D={D}, N={N}: host {1e3 * host:.0f} us to launch, GPU {1e3 * gpu:.0f} us to run: {verdict}")
+elif __name__ == "__main__":
+    print("Launch overhead is a GPU question: under the interpreter every call runs on the host anyway.")
