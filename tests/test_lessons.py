@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT, TUTORIALS, load_tutorial
 
 LESSONS = sorted(p.stem for p in TUTORIALS.glob("[0-9][0-9]-*.py"))
-SHARED_HELPERS = ["describe_platform", "bench_ms", "save_results", "reference_attention", "matmul_tflops",
+SHARED_HELPERS = ["describe_platform", "bench_ms", "save_results", "reference_attention", "matmul_tflops", "check_input",
                   "copy_bandwidth_gbs"]
 
 
