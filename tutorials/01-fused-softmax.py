@@ -143,7 +143,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def check_input(x):
-    """Raise a clear error for anything the kernels below cannot handle."""
+    """Raise a clear error for anything the kernels cannot handle."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"softmax expects a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 2:
