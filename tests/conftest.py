@@ -23,16 +23,6 @@ def load_tutorial(stem):
     return sys.modules[name]
 
 
-@pytest.fixture(scope="session")
-def softmax_lesson():
-    return load_tutorial("01-fused-softmax")
-
-
-@pytest.fixture(scope="session")
-def long_softmax_lesson():
-    return load_tutorial("02-long-softmax")
-
-
 @pytest.fixture
 def rng():
     """A fresh, unseeded generator per test: every run draws new inputs."""
@@ -43,12 +33,12 @@ def rng():
     return generator
 
 
-def sphinx(src_root, out, *extra):
-    """The command `make html` runs, with this interpreter."""
+def sphinx(src_root, out, *extra, env=None):
+    """The command `make html` runs, with this interpreter; the site lands in out/html."""
     return subprocess.run(
         [sys.executable, "-m", "sphinx", "-b", "html", "-W", "--keep-going", *extra,
          "-d", str(out / "doctrees"), str(src_root / "docs"), str(out / "html")],
-        cwd=src_root, capture_output=True, text=True)
+        cwd=src_root, capture_output=True, text=True, env=env)
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, sphinx
 
 sys.path.insert(0, str(ROOT / "tools"))
 import publish  # noqa: E402
@@ -33,15 +33,12 @@ def find_chromium():
 def served_site(site, tmp_path_factory):
     """build/html published as dev, a second build labelled v1.0.0 published as that release."""
     work = tmp_path_factory.mktemp("versions")
-    env = dict(os.environ, DOCS_VERSION="v1.0.0")
-    release = subprocess.run(
-        [sys.executable, "-m", "sphinx", "-b", "html", "-W", "-q", "-d", str(work / "doctrees"),
-         str(ROOT / "docs"), str(work / "v1.0.0")], cwd=ROOT, env=env, capture_output=True, text=True)
+    release = sphinx(ROOT, work / "release", env=dict(os.environ, DOCS_VERSION="v1.0.0"))
     assert release.returncode == 0, release.stderr
     tree = work / "gh-pages"
     tree.mkdir()
     subprocess.run(["git", "init", "-q", "-b", "gh-pages", str(tree)], check=True)
-    publish.publish(work / "v1.0.0", tree, "v1.0.0")
+    publish.publish(work / "release" / "html", tree, "v1.0.0")
     publish.publish(site, tree, "main")
 
     handler = functools.partial(QuietHandler, directory=str(tree))
