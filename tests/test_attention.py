@@ -1,5 +1,7 @@
 """Both attention lessons, forward and backward, against float64 autograd on fresh random inputs."""
 
+from functools import partial
+
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -7,8 +9,10 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from conftest import load_tutorial
 
-LESSONS = {"v1": load_tutorial("03-fused-attention-v1"), "v2": load_tutorial("04-fused-attention-v2")}
-DEVICE = LESSONS["v2"].DEVICE  # the lessons run where Triton does: the GPU if there is one
+V1, V2 = load_tutorial("03-fused-attention-v1"), load_tutorial("04-fused-attention-v2")
+# v2's two backward strategies: dQ in its own pass, or added atomically by the dK, dV programs.
+VERSIONS = {"v1": V1.attention, "v2": V2.attention, "v2-atomic-dq": partial(V2.attention, atomic_dq=True)}
+DEVICE = V2.DEVICE  # the lessons run where Triton does: the GPU if there is one
 # Max error over the largest reference value (at least 1: with one key, dQ and dK are exactly 0).
 TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
@@ -40,7 +44,7 @@ def randn(shape, dtype, rng):
     return torch.randn(shape, generator=rng).to(DEVICE, dtype)
 
 
-@pytest.mark.parametrize("version", LESSONS)
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("N", [1, 77, 300])
 @pytest.mark.parametrize("D", [16, 32, 64, 128])
@@ -48,34 +52,33 @@ def randn(shape, dtype, rng):
 def test_forward_and_backward(version, causal, N, D, dtype, rng):
     B, H = (1, 2) if N < 300 else (1, 1)
     q, k, v = (randn((B, H, N, D), dtype, rng) for _ in range(3))
-    check(LESSONS[version].attention, q, k, v, causal, rng)
+    check(VERSIONS[version], q, k, v, causal, rng)
 
 
-@pytest.mark.parametrize("version", LESSONS)
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("N", [63, 65, 129])
 def test_lengths_around_block_boundaries(version, causal, N, rng):
     q, k, v = (randn((2, 1, N, 32), torch.float16, rng) for _ in range(3))
-    check(LESSONS[version].attention, q, k, v, causal, rng)
+    check(VERSIONS[version], q, k, v, causal, rng)
 
 
-@pytest.mark.parametrize("version", LESSONS)
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_strided_inputs(version, causal, rng):
     B, H, N, D = 2, 3, 70, 32
     q = randn((B, N, H, D), torch.float16, rng).transpose(1, 2)  # (B, N, H, D) viewed as (B, H, N, D)
     k = randn((B, H, D, N), torch.float16, rng).transpose(2, 3)  # column-major rows
     v = randn((B, H, N, 2 * D), torch.float16, rng)[..., ::2]  # every other column
-    check(LESSONS[version].attention, q, k, v, causal, rng)
+    check(VERSIONS[version], q, k, v, causal, rng)
 
 
 def test_v2_non_causal_gradient_differs_from_causal(rng):
     """The published v2 tutorial returned the causal gradient for causal=False; the two must differ."""
-    attention = LESSONS["v2"].attention
     q, k, v = (randn((1, 1, 64, 32), torch.float16, rng).to(DEVICE).requires_grad_() for _ in range(3))
     grads = []
     for causal in (False, True):
-        out = attention(q, k, v, causal, 32 ** -0.5)
+        out = V2.attention(q, k, v, causal, 32 ** -0.5)
         grads.append(torch.autograd.grad(out.sum(), (q, k, v)))
     assert not torch.allclose(grads[0][1].float(), grads[1][1].float(), atol=1e-2)
 
@@ -102,24 +105,29 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize("version", LESSONS)
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("make, error, message", BAD_INPUTS, ids=[m for _, _, m in BAD_INPUTS])
 def test_bad_input_is_refused_clearly(version, make, error, message):
     with pytest.raises(error, match=message):
-        LESSONS[version].attention(*make(), True, 0.125)
+        VERSIONS[version](*make(), True, 0.125)
 
 
-@pytest.mark.parametrize("version", LESSONS)
+@pytest.mark.parametrize("version", VERSIONS)
 def test_bad_flags_are_refused(version):
     with pytest.raises(TypeError, match="causal"):
-        LESSONS[version].attention(*good(), "yes", 0.125)
+        VERSIONS[version](*good(), "yes", 0.125)
     with pytest.raises(TypeError, match="sm_scale"):
-        LESSONS[version].attention(*good(), True, float("nan"))
+        VERSIONS[version](*good(), True, float("nan"))
+
+
+def test_bad_atomic_flag_is_refused():
+    with pytest.raises(TypeError, match="atomic_dq"):
+        V2.attention(*good(), True, 0.125, atomic_dq="yes")
 
 
 def test_fp8_refused_without_fp8_tensor_cores():
-    if LESSONS["v2"].fp8_supported():
+    if V2.fp8_supported():
         pytest.skip("this GPU has fp8 tensor cores")
     qkv = [torch.randn(1, 2, 8, 32, device=DEVICE).to(torch.float8_e5m2) for _ in range(3)]
     with pytest.raises(TypeError, match="fp8 tensor cores"):
-        LESSONS["v2"].attention(*qkv, True, 0.125)
+        V2.attention(*qkv, True, 0.125)

@@ -94,7 +94,7 @@ def tune_attention():
                            for _ in range(3))
                 flops = 4 * 4 * H * N * N * D * (0.5 if causal else 1.0)
                 scale = D ** -0.5
-                best = {"fwd": [], "bwd": []}
+                best = {"fwd": []}
                 for bm, bn, w, s in fwd_space:
                     if bm % bn:
                         continue
@@ -108,21 +108,23 @@ def tune_attention():
                     best["fwd"].append((flops / ms * 1e-9, (bm, bn, w, s)))
                 lesson._fwd.configs = [triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3)]
                 lesson._fwd.cache.clear()
-                o = lesson.attention(q, k, v, causal, scale)
-                do = torch.randn_like(o)
-                for bm, bn, w, s in bwd_space:
-                    if bm > bn:
-                        continue
-                    config = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)]
-                    lesson._dkdv.configs, lesson._dq.configs = config, config
-                    lesson._dkdv.cache.clear()
-                    lesson._dq.cache.clear()
-                    try:
-                        ms = bench(lambda: o.backward(do, retain_graph=True))
-                    except Exception as error:
-                        print(f"  bwd {bm},{bn},{w},{s} failed: {str(error).splitlines()[0][:80]}")
-                        continue
-                    best["bwd"].append((2.5 * flops / ms * 1e-9, (bm, bn, w, s)))
+                for atomic_dq, mode in ((False, "bwd"), (True, "bwd, atomic dQ")):
+                    o = lesson.attention(q, k, v, causal, scale, atomic_dq)
+                    do = torch.randn_like(o)
+                    best[mode] = []
+                    for bm, bn, w, s in bwd_space:
+                        if bm > bn:
+                            continue
+                        config = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)]
+                        lesson._dkdv.configs, lesson._dq.configs = config, config
+                        lesson._dkdv.cache.clear()
+                        lesson._dq.cache.clear()
+                        try:
+                            ms = bench(lambda: o.backward(do, retain_graph=True))
+                        except Exception as error:
+                            print(f"  {mode} {bm},{bn},{w},{s} failed: {str(error).splitlines()[0][:80]}")
+                            continue
+                        best[mode].append((2.5 * flops / ms * 1e-9, (bm, bn, w, s)))
                 for mode, rows in best.items():
                     rows.sort(reverse=True)
                     print(f"D={D} causal={causal} N={N} {mode}: " +
