@@ -664,6 +664,13 @@ def providers_for(causal, D, attention_v1):
 ATOMIC = "Triton v2, atomic dQ"  # a backward variant: its forward is the one above
 
 
+def backward_ms(fn, q, k, v):
+    """Time of the backward pass alone: the forward runs once, outside the timing."""
+    o = fn(q, k, v)
+    do = torch.randn_like(o)
+    return bench_ms(lambda: o.backward(do, retain_graph=True))
+
+
 def run_benchmark(cases, sizes, attention_v1):
     rows = []
     for B, H, D in cases:
@@ -675,17 +682,13 @@ def run_benchmark(cases, sizes, attention_v1):
                 for name, fn in providers_for(causal, D, attention_v1).items():
                     try:
                         fwd = bench_ms(lambda: fn(q, k, v))
-                        o = fn(q, k, v)
-                        do = torch.randn_like(o)
-                        bwd = bench_ms(lambda: o.backward(do, retain_graph=True))
+                        bwd = backward_ms(fn, q, k, v)
                     except RuntimeError as error:  # a backend that does not support this case here
                         print(f"{name} skipped at D={D}, N={N}, causal={causal}: {str(error).splitlines()[0][:100]}")
                         continue
                     rows.append(dict(case, mode="fwd", provider=name, value=flops / fwd * 1e-9))
                     rows.append(dict(case, mode="bwd", provider=name, value=2.5 * flops / bwd * 1e-9))
-                o = attention(q, k, v, causal, D ** -0.5, atomic_dq=True)
-                do = torch.randn_like(o)
-                ms = bench_ms(lambda: o.backward(do, retain_graph=True))
+                ms = backward_ms(lambda q, k, v: attention(q, k, v, causal, D ** -0.5, atomic_dq=True), q, k, v)
                 rows.append(dict(case, mode="bwd", provider=ATOMIC, value=2.5 * flops / ms * 1e-9))
                 if fp8_supported():
                     q8, k8, v8 = (t.detach().to(torch.float8_e5m2) for t in (q, k, v))
