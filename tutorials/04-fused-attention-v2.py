@@ -779,11 +779,10 @@ if __name__ == "__main__":
 # :math:`Q` and :math:`dO` (:math:`2 \times 2 \times 64 \times D`), 96 KiB at :math:`D = 128`. Two
 # such programs fit on one SM of an H100 (65,536 registers and 228 KiB of shared memory), and they
 # are independent: while one waits for its exponentials or its loads, the SM's warp schedulers can
-# run the other's matrix products. When this configuration joined the list, the two-pass backward at
-# :math:`D = 128`, :math:`N \ge 4096` went from 0.69–0.77x of cuDNN's speed to 0.78–0.82x on an
-# H100. The table below shows what each kernel chose at
-# :math:`D = 128` on the GPU that built this page (``BLOCK_M x BLOCK_N``; the :math:`dQ` kernel owns
-# ``BLOCK_N`` queries and walks ``BLOCK_M`` keys).
+# run the other's matrix products. On an H100 the autotuner picks this shape for the :math:`dK, dV`
+# kernel at :math:`D = 128` nearly every time, over the 8-warp program with 128 keys. The table
+# below shows what each kernel chose at :math:`D = 128` on the GPU that built this page
+# (``BLOCK_M x BLOCK_N``; the :math:`dQ` kernel owns ``BLOCK_N`` queries and walks ``BLOCK_M`` keys).
 #
 # The fastest Hopper kernels (cuDNN's, FlashAttention-3) make that overlap deliberate instead of
 # leaving it to chance, in the forward pass as well, where the exponentials of one tile wait for
