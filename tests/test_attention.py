@@ -131,3 +131,48 @@ def test_fp8_refused_without_fp8_tensor_cores():
     qkv = [torch.randn(1, 2, 8, 32, device=DEVICE).to(torch.float8_e5m2) for _ in range(3)]
     with pytest.raises(TypeError, match="fp8 tensor cores"):
         V2.attention(*qkv, True, 0.125)
+
+
+needs_fp8 = pytest.mark.skipif(not V2.fp8_supported(), reason="fp8 attention needs a GPU with fp8 tensor cores")
+# P is rounded to e5m2 (2 mantissa bits) before the second product: up to 4.5e-2 seen on an H200,
+# while a wrong layout or stride of V gives errors of order 1.
+FP8_TOLERANCE = 0.1
+
+
+def check_fp8(q, k, v, causal):
+    """v2's fp8 forward against float64 attention on the same fp8 values: the kernel's error, not the inputs'."""
+    sm_scale = q.shape[-1] ** -0.5
+    out = V2.attention(q, k, v, causal, sm_scale)
+    want = reference(q.double(), k.double(), v.double(), causal, sm_scale)
+    assert out.shape == q.shape and out.dtype == torch.float16
+    error = ((out.double() - want).abs().max() / want.abs().max()).item()
+    assert error < FP8_TOLERANCE, f"relative error {error:.2e}"
+
+
+def test_keys_contiguous_keeps_values_and_shape(rng):
+    v = randn((2, 3, 77, 32), torch.float32, rng)
+    w = V2.keys_contiguous(v, torch.float16)
+    assert w.shape == v.shape and w.dtype == torch.float16 and w.stride(2) == 1
+    assert torch.equal(w, v.to(torch.float16))
+
+
+@needs_fp8
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("N", [1, 77, 300])
+@pytest.mark.parametrize("D", [32, 64, 128])
+def test_fp8_forward(causal, N, D, rng):
+    check_fp8(*(randn((2, 3, N, D), torch.float32, rng).to(torch.float8_e5m2) for _ in range(3)), causal)
+
+
+@needs_fp8
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fp8_forward_with_v_keys_contiguous(causal, rng):
+    q, k, v = (randn((2, 3, 300, 64), torch.float32, rng).to(torch.float8_e5m2) for _ in range(3))
+    check_fp8(q, k, V2.keys_contiguous(v), causal)
+
+
+@needs_fp8
+def test_fp8_refuses_head_dim_16(rng):
+    qkv = [randn((1, 2, 8, 16), torch.float32, rng).to(torch.float8_e5m2) for _ in range(3)]
+    with pytest.raises(ValueError, match="head dim 32 or more"):
+        V2.attention(*qkv, False, 0.25)
