@@ -840,7 +840,7 @@ if __name__ == "__main__":
 
 
 def tuned_choices(D):
-    """The configuration the autotuner picked for each kernel and mode at head dim D, per size it met."""
+    """{kernel and mode: {N bucket: configuration}} that the autotuner picked at head dim D, as text."""
     picks = {}
     for kernel, tuner in (("forward", _fwd), ("dK, dV", _dkdv), ("dQ", _dq)):
         for key, config in tuner.cache.items():
@@ -852,11 +852,12 @@ def tuned_choices(D):
             picks.setdefault(label, {})[named["N_BUCKET"]] = (
                 f"{config.kwargs['BLOCK_M']}x{config.kwargs['BLOCK_N']}, {config.num_warps} warps, "
                 f"{config.num_stages} stages")
-    return pd.DataFrame(picks).T.sort_index(axis=1)
+    return picks
 
 
 if __name__ == "__main__" and ON_GPU:
-    print(f"Autotuner's choices at D = 128, by sequence length:\n{tuned_choices(128).to_string()}")
+    choices = pd.DataFrame(tuned_choices(128)).T.sort_index(axis=1)
+    print(f"Autotuner's choices at D = 128, by sequence length:\n{choices.to_string()}")
 
 # %%
 # Why the smallest sizes look slow: who waits for whom
