@@ -169,8 +169,11 @@ def attn_fwd_kernel(
 # list itself is short because it was measured: ``tools/tune.py attention`` in this repository
 # sweeps a wider space on a GPU, and these are the configurations that won somewhere on an H100.
 # (An early version of this lesson also pruned 128 x 128 tiles at :math:`D = 128`, guessing that
-# they would spill registers; the sweep showed they are the fastest there, by 5%. Measure, don't
-# guess.) Under the interpreter there is nothing to tune, and one configuration runs.
+# they would spill registers; in the sweep they won at several sizes. Measure, don't guess.) The
+# best two or three tiles are often within a few percent of each other, less than the GPU's
+# run-to-run noise, so two builds on the same machine can pick different winners: the table near
+# the end of this page shows what this build picked. Under the interpreter there is nothing to
+# tune, and one configuration runs.
 
 
 def _configs(shapes):
