@@ -98,7 +98,7 @@ def tune_attention():
                 for bm, bn, w, s in fwd_space:
                     if bm % bn:
                         continue
-                    lesson._fwd.configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)]
+                    lesson._fwd.configs = lesson._configs([(bm, bn, w, s)])
                     lesson._fwd.cache.clear()
                     try:
                         ms = bench(lambda: lesson.attention(q, k, v, causal, scale))
@@ -106,7 +106,7 @@ def tune_attention():
                         print(f"  fwd {bm},{bn},{w},{s} failed: {str(error).splitlines()[0][:80]}")
                         continue
                     best["fwd"].append((flops / ms * 1e-9, (bm, bn, w, s)))
-                lesson._fwd.configs = [triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3)]
+                lesson._fwd.configs = lesson._configs([(128, 64, 8, 3)])
                 lesson._fwd.cache.clear()
                 for atomic_dq, mode in ((False, "bwd"), (True, "bwd, atomic dQ")):
                     o = lesson.attention(q, k, v, causal, scale, atomic_dq)
@@ -115,7 +115,7 @@ def tune_attention():
                     for bm, bn, w, s in bwd_space:
                         if bm > bn:
                             continue
-                        config = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)]
+                        config = lesson._configs([(bm, bn, w, s)])
                         lesson._dkdv.configs, lesson._dq.configs = config, config
                         lesson._dkdv.cache.clear()
                         lesson._dq.cache.clear()
