@@ -13,6 +13,10 @@ V1, V2 = load_tutorial("03-fused-attention-v1"), load_tutorial("04-fused-attenti
 # v2's two backward strategies: dQ in its own pass, or added atomically by the dK, dV programs.
 VERSIONS = {"v1": V1.attention, "v2": V2.attention, "v2-atomic-dq": partial(V2.attention, atomic_dq=True)}
 DEVICE = V2.DEVICE  # the lessons run where Triton does: the GPU if there is one
+ON_HOPPER = V2.ON_GPU and torch.cuda.get_device_capability()[0] == 9
+if ON_HOPPER:
+    # On Hopper "v2" runs the warp-specialized forward where it applies; test the portable one too.
+    VERSIONS["v2-portable-forward"] = partial(V2.attention, warp_specialized=False)
 # Max error over the largest reference value (at least 1: with one key, dQ and dK are exactly 0).
 TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
@@ -123,6 +127,56 @@ def test_bad_flags_are_refused(version):
 def test_bad_atomic_flag_is_refused():
     with pytest.raises(TypeError, match="atomic_dq"):
         V2.attention(*good(), True, 0.125, atomic_dq="yes")
+
+
+def test_bad_warp_specialized_flag_is_refused():
+    with pytest.raises(TypeError, match="warp_specialized"):
+        V2.attention(*good(), True, 0.125, warp_specialized=1)
+
+
+# The warp-specialized forward (Gluon, Hopper only). On other machines attention() must refuse to
+# be forced onto it, and say why; on Hopper it must match float64 wherever it claims to apply.
+needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="the warp-specialized forward needs a Hopper GPU")
+WARP_SPECIALIZED = partial(V2.attention, warp_specialized=True)
+
+
+def test_warp_specialized_refused_off_hopper():
+    if ON_HOPPER:
+        pytest.skip("this GPU is a Hopper")
+    with pytest.raises(ValueError, match="Hopper GPU"):
+        WARP_SPECIALIZED(*good(), False, 0.125)
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("N", [1, 77, 129, 300, 1000])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_warp_specialized_forward_and_backward(causal, N, D, dtype, rng):
+    q, k, v = (randn((2, 3, N, D), dtype, rng) for _ in range(3))
+    check(WARP_SPECIALIZED, q, k, v, causal, rng)
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_warp_specialized_strided_inputs(causal, rng):
+    B, H, N, D = 2, 3, 200, 64
+    q = randn((B, N, H, D), torch.float16, rng).transpose(1, 2)  # (B, N, H, D) viewed as (B, H, N, D)
+    k = randn((B, H, N + 8, D), torch.float16, rng)[:, :, 8:]  # starts 1 KiB in: still 16-byte aligned
+    v = randn((H, B, N, D), torch.float16, rng).transpose(0, 1)
+    check(WARP_SPECIALIZED, q, k, v, causal, rng)
+
+
+@needs_hopper
+def test_warp_specialized_refuses_what_tma_cannot_load(rng):
+    q, k, v = (randn((1, 2, 64, 32), torch.float16, rng) for _ in range(3))
+    with pytest.raises(ValueError, match="head dims"):
+        WARP_SPECIALIZED(q, k, v, False, 0.125)
+    q, k = (randn((1, 2, 64, 64), torch.float16, rng) for _ in range(2))
+    v = randn((1, 2, 64, 128), torch.float16, rng)[..., ::2]  # every other column
+    with pytest.raises(ValueError, match="TMA"):
+        WARP_SPECIALIZED(q, k, v, False, 0.125)
+    check(V2.attention, q, k, v, False, rng)  # the default falls back to the portable kernel
 
 
 def test_fp8_refused_without_fp8_tensor_cores():

@@ -5,7 +5,8 @@ Fused attention v2: FlashAttention-2, forward and backward
 FlashAttention-2 (Dao, 2023) reorganizes the FlashAttention-1 algorithm of the previous lesson so
 that a GPU spends its time in matrix multiplications. This lesson builds it in Triton, forward and
 backward, correct for every sequence length, head dimension and masking mode, and measures it
-against PyTorch's cuDNN and flash backends.
+against PyTorch's cuDNN and flash backends. On Hopper GPUs the forward then goes one step further,
+to the warp-specialized design of FlashAttention-3.
 
 You will learn:
 
@@ -14,6 +15,9 @@ You will learn:
 * how the backward splits into a preprocess, a :math:`dK, dV` pass and a :math:`dQ` pass, and what
   FlashAttention-2's atomic additions to :math:`dQ` save and cost instead;
 * how to autotune a kernel without making every build slow;
+* on Hopper, how FlashAttention-3's warp specialization (a loader warp, two consumer warp groups,
+  asynchronous tensor-core products) speeds up the forward, written in Gluon, Triton's
+  lower-level language;
 * the mistakes that learners' versions of this kernel make, and the tests that catch each one.
 """
 
@@ -23,6 +27,7 @@ You will learn:
 # A CUDA GPU when there is one, otherwise the Triton interpreter on the CPU, switched on before the
 # first ``@triton.jit``.
 
+import functools
 import math
 import os
 
@@ -394,8 +399,247 @@ def attn_bwd_dq_kernel(
 # the first operands into fp32 (and the helpers follow the dtype they see); the launcher sets it
 # only for bf16 under the interpreter, so compiled GPU code never pays for it.
 #
+# On Hopper: a warp-specialized forward, written in Gluon
+# -------------------------------------------------------
+# The forward kernel above reaches about 0.8x cuDNN's speed at :math:`D = 128` on an H100, and no
+# choice of tiles, stages or warps moves it further (the section "Where the rest of the gap to
+# cuDNN lies" below lists what was tried). The reason is how its warps spend their time. Every warp does everything in turn: it
+# issues the loads of the next key block, waits for :math:`QK^T` on the tensor cores, computes the
+# exponentials on the ordinary cores while the tensor cores idle, then waits for :math:`PV`. Triton
+# overlaps some of this on its own, but the program shape stays "all warps, one step at a time".
+#
+# FlashAttention-3 (Shah et al., 2024), and cuDNN, give the warps *roles* instead:
+#
+# * **A producer warp** does nothing but issue bulk asynchronous copies (Hopper's Tensor Memory
+#   Accelerator, TMA) of K and V tiles into a ring of shared-memory buffers. Each buffer has two
+#   *mbarriers*, hardware counters in shared memory: "full" flips when the copy has landed, and
+#   "empty" when every consumer is done with the tile, so the producer may refill it.
+# * **Two consumer warp groups** (4 warps, 128 threads each) own 64 query rows each, so that while
+#   one computes exponentials, the other's matrix products can run. They never load anything.
+# * **Registers move to where the work is.** A loader needs few registers; ``setmaxnreg`` lets it
+#   give most of its share back, so each consumer thread may hold 240 instead of the 168 that an
+#   even split of the SM's 65,536 registers among 12 warps would give.
+# * **Overlap inside each consumer.** The tensor cores run asynchronously (``wgmma``): a consumer
+#   issues :math:`S_{j+1} = QK_{j+1}^T` and :math:`O \mathrel{+}= P_j V_j`, waits only for the first,
+#   and computes the exponentials of block :math:`j+1` while :math:`P_j V_j` still runs.
+#
+# Triton's compiler decides for itself which warps do what, and on Hopper its automatic warp
+# specialization did not find this schedule. *Gluon*, Triton's lower-level language, lets the
+# program say it: explicit layouts, shared-memory buffers, mbarriers, TMA copies, asynchronous
+# ``warpgroup_mma`` and ``warp_specialize``, which runs one function in the program's own 4 warps
+# (the first consumer) and others in extra warps (the second consumer, and the loader). The kernel
+# below is that design, small enough to read in one sitting.
+#
+# Three details are worth knowing before reading it:
+#
+# * The TMA copies read 4-D boxes (1 batch, 1 head, 64 or 128 rows, :math:`D`) out of the
+#   (B, H, N, D) tensors, with whatever strides those have, and fill rows past :math:`N` with zeros.
+#   So any sequence length and the transposed inputs work. Only the last, ragged key block needs a
+#   mask. The price: TMA needs the last dimension contiguous and the other strides to be multiples
+#   of 16 bytes. Other inputs take the portable kernel.
+# * An mbarrier's *phase* flips each time it completes, and a wait names the phase it waits for. A
+#   ring of ``STAGES`` buffers is reused every ``STAGES`` blocks, so block :math:`j` waits for phase
+#   :math:`\lfloor j / \text{STAGES} \rfloor \bmod 2`. A fresh barrier counts as having completed
+#   phase 1, which is why the producer's first wait for "empty" passes at once.
+# * The tiles are fixed: 128 queries (two halves of 64) by 128 keys, with 2 buffers each for K and V:
+#   at :math:`D = 128`, 32 KiB of Q and 128 KiB of K and V in shared memory. On an H100, 64-key
+#   tiles were slower at both head dims, and a third buffer at :math:`D = 64` was no faster. There
+#   is no autotuning here: the descriptors' boxes and the barriers are sized with the tiles.
+#
+# Gluon is experimental, and its names still move: Triton 3.6 calls the TMA copy
+# ``async_copy_global_to_shared``, later versions ``async_load``. The interpreter cannot run Gluon
+# at all, so on a CPU (and on GPUs other than Hopper) ``attention`` uses the portable kernel above.
+
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait  # noqa: E402
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
+
+_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+
+WS_HEAD_DIMS = (64, 128)
+WS_BLOCK_M, WS_BLOCK_N, WS_STAGES = 128, 128, 2
+WS_CONSUMER_REGISTERS, WS_LOADER_REGISTERS = 240, 24
+
+
+@gluon.jit
+def _ws_softmax_step(s, m_i, l_i, qk_scale, rows, cols, N, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+    if MASKED:
+        if CAUSAL:
+            valid = cols[None, :] <= rows[:, None]
+        else:
+            valid = cols[None, :] < N
+        s = gl.where(valid, s * qk_scale, -float("inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        s = s - m_new[:, None]
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        s = s * qk_scale - m_new[:, None]
+    p = gl.exp2(s)
+    alpha = gl.exp2(m_i - m_new)
+    return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
+
+
+@gluon.jit
+def _ws_loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_full, k_full, k_empty, v_full, v_empty,
+               b, h, first_row, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    half: gl.constexpr = desc_q.block_type.shape[2]
+    mbarrier.expect(q_full, 2 * desc_q.block_type.nbytes)
+    _tma_load(desc_q, [b, h, first_row, 0], q_full, q_smem.index(0))
+    _tma_load(desc_q, [b, h, first_row + half, 0], q_full, q_smem.index(1))
+    for j in range(n_blocks):
+        stage = j % STAGES
+        phase = (j // STAGES) & 1
+        # K and V have their own barriers: a consumer is done with K_j long before V_j.
+        mbarrier.wait(k_empty.index(stage), phase ^ 1)
+        mbarrier.expect(k_full.index(stage), desc_k.block_type.nbytes)
+        _tma_load(desc_k, [b, h, j * BLOCK_N, 0], k_full.index(stage), k_smem.index(stage))
+        mbarrier.wait(v_empty.index(stage), phase ^ 1)
+        mbarrier.expect(v_full.index(stage), desc_v.block_type.nbytes)
+        _tma_load(desc_v, [b, h, j * BLOCK_N, 0], v_full.index(stage), v_smem.index(stage))
+
+
+@gluon.jit
+def _ws_consumer(HALF: gl.constexpr, q_smem, k_smem, v_smem, q_full, k_full, k_empty, v_full, v_empty, O, LSE,
+                 qk_scale, b, h, bh, start_m, N, n_full, n_blocks, sob, soh, son, D: gl.constexpr,
+                 CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    # One warp group: wgmma's accumulator layouts for S (ROWS x BLOCK_N) and O (ROWS x D), and P
+    # as the register operand of the second product.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(0, o_layout, 2)
+    dtype: gl.constexpr = q_smem.dtype
+    q = q_smem.index(HALF).reshape([ROWS, D])
+    rows = start_m * 2 * ROWS + HALF * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, s_layout))
+    cols = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+    zeros = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    m_i = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([ROWS, D], gl.float32, o_layout)
+
+    # Block 0: S_0 and its exponentials, before the loop's steady state.
+    mbarrier.wait(q_full, 0)
+    mbarrier.wait(k_full.index(0), 0)
+    s = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), zeros, use_acc=False)
+    mbarrier.arrive(k_empty.index(0), count=1)
+    if n_full == 0:
+        p, m_i, l_i, alpha = _ws_softmax_step(s, m_i, l_i, qk_scale, rows, cols, N, True, CAUSAL)
+    else:
+        p, m_i, l_i, alpha = _ws_softmax_step(s, m_i, l_i, qk_scale, rows, cols, N, False, CAUSAL)
+    for j in range(1, n_blocks):
+        ks = j % STAGES
+        mbarrier.wait(k_full.index(ks), (j // STAGES) & 1)
+        s_next = warpgroup_mma(q, k_smem.index(ks).reshape([BLOCK_N, D]).permute((1, 0)), zeros, use_acc=False,
+                               is_async=True)
+        vs = (j - 1) % STAGES
+        mbarrier.wait(v_full.index(vs), ((j - 1) // STAGES) & 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        o_next = warpgroup_mma(p_op, v_smem.index(vs).reshape([BLOCK_N, D]), acc, is_async=True)
+        # wgmma groups finish in order: "at most 1 in flight" means S_j is ready, P_{j-1} V_{j-1} may still run.
+        s = warpgroup_mma_wait(1, deps=[s_next])
+        mbarrier.arrive(k_empty.index(ks), count=1)
+        if j >= n_full:
+            p, m_i, l_i, alpha = _ws_softmax_step(s, m_i, l_i, qk_scale, rows, cols + j * BLOCK_N, N, True, CAUSAL)
+        else:
+            p, m_i, l_i, alpha = _ws_softmax_step(s, m_i, l_i, qk_scale, rows, cols, N, False, CAUSAL)
+        acc, p_op = warpgroup_mma_wait(0, deps=[o_next, p_op])
+        mbarrier.arrive(v_empty.index(vs), count=1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    vs = (n_blocks - 1) % STAGES
+    mbarrier.wait(v_full.index(vs), ((n_blocks - 1) // STAGES) & 1)
+    acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(vs).reshape([BLOCK_N, D]), acc)
+
+    gl.store(LSE + bh * N + rows, m_i + gl.log2(l_i), mask=rows < N)
+    o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+    o_rows = start_m * 2 * ROWS + HALF * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, o_layout))
+    o_cols = gl.arange(0, D, gl.SliceLayout(0, o_layout))
+    gl.store(O + b * sob + h * soh + o_rows[:, None] * son + o_cols[None, :], o.to(O.dtype.element_ty),
+             mask=o_rows[:, None] < N)
+
+
+@gluon.jit
+def attn_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, qk_scale, H, N, sob, soh, son,
+                       D: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       STAGES: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr, LOADER_REGISTERS: gl.constexpr):
+    start_m = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+    if CAUSAL:
+        n_full = start_m * (BLOCK_M // BLOCK_N)  # key blocks wholly below the diagonal
+        n_blocks = gl.minimum(n_full + BLOCK_M // BLOCK_N, gl.cdiv(N, BLOCK_N))
+    else:
+        n_full = N // BLOCK_N
+        n_blocks = gl.cdiv(N, BLOCK_N)
+    dtype: gl.constexpr = desc_q.dtype
+    # Leading 1, 1: the TMA boxes are 4-D (batch, head, rows, D); the consumers view them as 2-D.
+    q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M // 2, D], desc_q.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, D], desc_k.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, D], desc_v.layout)
+    q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_full, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_full.index(i), count=1)
+        mbarrier.init(v_full.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival from each consumer
+        mbarrier.init(v_empty.index(i), count=2)
+    # The argument tuples are written out in the call: a tuple stored in a variable first would
+    # turn its compile-time constants into run-time values.
+    gl.warp_specialize([
+        (_ws_consumer, (0, q_smem, k_smem, v_smem, q_full, k_full, k_empty, v_full, v_empty, O, LSE, qk_scale, b, h,
+                        bh, start_m, N, n_full, n_blocks, sob, soh, son, D, CAUSAL, BLOCK_M // 2, BLOCK_N, STAGES)),
+        (_ws_consumer, (1, q_smem, k_smem, v_smem, q_full, k_full, k_empty, v_full, v_empty, O, LSE, qk_scale, b, h,
+                        bh, start_m, N, n_full, n_blocks, sob, soh, son, D, CAUSAL, BLOCK_M // 2, BLOCK_N, STAGES)),
+        (_ws_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_full, k_full, k_empty, v_full, v_empty,
+                      b, h, start_m * BLOCK_M, n_blocks, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])
+
+
+def warp_specialized_unsupported(q, k, v):
+    """Why the warp-specialized forward cannot take these inputs here, or None when it can."""
+    if not ON_GPU or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "it needs a Hopper GPU (compute capability 9.x)"
+    if q.dtype not in SUPPORTED_DTYPES:
+        return f"it takes float16 or bfloat16, not {q.dtype}"
+    if q.shape[-1] not in WS_HEAD_DIMS:
+        return f"it takes head dims {WS_HEAD_DIMS}, not {q.shape[-1]}"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(3) != 1 or any(s * t.element_size() % 16 for s in t.stride()[:3]) or t.data_ptr() % 16:
+            return (f"TMA copies need {name}'s last dimension contiguous, its other strides multiples of 16 bytes "
+                    f"and its data 16-byte aligned; it has strides {t.stride()}")
+    return None
+
+
+@functools.lru_cache
+def _ws_box_layout(rows, D, dtype):
+    """The shared-memory layout of one TMA box, (1, 1, rows, D): cached, as computing it costs host time at each call."""
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, D], gl.float16 if dtype == torch.float16 else gl.bfloat16)
+
+
+def _ws_forward(q, k, v, o, lse, causal, sm_scale):
+    B, H, N, D = q.shape
+
+    def descriptor(t, rows):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, D], _ws_box_layout(rows, D, t.dtype))
+
+    attn_fwd_ws_kernel[(triton.cdiv(N, WS_BLOCK_M), B * H)](
+        descriptor(q, WS_BLOCK_M // 2), descriptor(k, WS_BLOCK_N), descriptor(v, WS_BLOCK_N), o, lse,
+        sm_scale * LOG2E, H, N, *o.stride()[:3], D=D, CAUSAL=causal, BLOCK_M=WS_BLOCK_M, BLOCK_N=WS_BLOCK_N,
+        STAGES=WS_STAGES, CONSUMER_REGISTERS=WS_CONSUMER_REGISTERS, LOADER_REGISTERS=WS_LOADER_REGISTERS, num_warps=4)
+
+
+# %%
 # The launcher and autograd
 # -------------------------
+# ``attention`` runs the warp-specialized forward wherever it can (``warp_specialized=None``), and
+# the portable kernel everywhere else: on other GPUs, under the interpreter, for fp8 and for head
+# dims 16 and 32. ``warp_specialized=False`` asks for the portable kernel, ``True`` for the Gluon
+# one, with an error that says why when it cannot run. Both write the same output and the same
+# :math:`\mathrm{LSE}_2`, so the backward below serves both.
 
 if ON_GPU:
     FWD_SHAPES = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)]
@@ -465,17 +709,20 @@ def check_inputs(q, k, v, causal, sm_scale):
 
 class _AttentionV2(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, sm_scale, atomic_dq):
+    def forward(ctx, q, k, v, causal, sm_scale, atomic_dq, warp_specialized):
         B, H, N, D = q.shape
         out_dtype = torch.float16 if q.dtype == torch.float8_e5m2 else q.dtype
         o = torch.empty((B, H, N, D), dtype=out_dtype, device=q.device)
         lse = torch.empty((B * H, N), dtype=torch.float32, device=q.device)
         upcast = (not ON_GPU) and q.dtype == torch.bfloat16
-        if q.dtype == torch.float8_e5m2 and v.stride(2) != 1 and N > 1:
-            v = keys_contiguous(v)  # see "fp8: the layout of V" below
-        grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B * H)  # noqa: E731
-        _fwd[grid](q, k, v, o, lse, sm_scale * LOG2E, H, N, triton.next_power_of_2(N), *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-                   D=D, CAUSAL=causal, UPCAST_DOT=upcast, **_FIXED_FWD)
+        if warp_specialized:
+            _ws_forward(q, k, v, o, lse, causal, sm_scale)
+        else:
+            if q.dtype == torch.float8_e5m2 and v.stride(2) != 1 and N > 1:
+                v = keys_contiguous(v)  # see "fp8: the layout of V" below
+            grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B * H)  # noqa: E731
+            _fwd[grid](q, k, v, o, lse, sm_scale * LOG2E, H, N, triton.next_power_of_2(N), *q.stride(), *k.stride(),
+                       *v.stride(), *o.stride(), D=D, CAUSAL=causal, UPCAST_DOT=upcast, **_FIXED_FWD)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal, ctx.sm_scale, ctx.upcast, ctx.atomic_dq = causal, sm_scale, upcast, atomic_dq
         return o
@@ -499,19 +746,28 @@ class _AttentionV2(torch.autograd.Function):
             dq = dq.to(q.dtype)
         else:
             _dq[grid](q, k, v, do, dq, lse, delta, *args, **meta)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
-def attention(q, k, v, causal, sm_scale, atomic_dq=False):
+def attention(q, k, v, causal, sm_scale, atomic_dq=False, warp_specialized=None):
     """FlashAttention-2: softmax(q k^T * sm_scale) v over (batch, heads, sequence, head_dim) tensors.
 
     ``atomic_dq=True`` computes dQ inside the dK, dV pass with atomic adds (FlashAttention-2 as
     published): fewer matrix products, but dQ's rounding then varies from run to run.
+    ``warp_specialized`` picks the forward kernel: None runs the Gluon kernel for Hopper where it
+    can and the portable one elsewhere; True insists on the Gluon kernel, False on the portable one.
     """
     check_inputs(q, k, v, causal, sm_scale)
     if not isinstance(atomic_dq, bool):
         raise TypeError(f"atomic_dq must be True or False, got {atomic_dq!r}")
-    return _AttentionV2.apply(q, k, v, causal, float(sm_scale), atomic_dq)
+    if warp_specialized is not None and not isinstance(warp_specialized, bool):
+        raise TypeError(f"warp_specialized must be None, True or False, got {warp_specialized!r}")
+    if warp_specialized is not False:
+        reason = warp_specialized_unsupported(q, k, v)
+        if reason and warp_specialized:
+            raise ValueError(f"warp_specialized=True, but the warp-specialized forward cannot run here: {reason}")
+        warp_specialized = reason is None
+    return _AttentionV2.apply(q, k, v, causal, float(sm_scale), atomic_dq, warp_specialized)
 
 
 # %%
@@ -554,6 +810,9 @@ if __name__ == "__main__":
             errors = relative_errors(q, k, v, causal, D ** -0.5, atomic_dq)
             print(f"causal={causal!s:5}, atomic_dq={atomic_dq!s:5}, N={N}: " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
             assert max(errors.values()) < 1e-2, errors
+    reason = warp_specialized_unsupported(q, k, v)
+    print("The forward above ran " + ("the warp-specialized Gluon kernel." if reason is None else
+                                      f"the portable kernel; the Gluon one did not apply: {reason}."))
 
 # %%
 # fp8: the layout of V
@@ -711,6 +970,7 @@ def providers_for(causal, D, attention_v1):
 
 
 ATOMIC = "Triton v2, atomic dQ"  # a backward variant: its forward is the one above
+PORTABLE = "Triton v2, portable forward"  # measured where the warp-specialized forward is the default
 
 
 def backward_ms(fn, q, k, v):
@@ -739,6 +999,9 @@ def run_benchmark(cases, sizes, attention_v1):
                     rows.append(dict(case, mode="bwd", provider=name, value=2.5 * flops / bwd * 1e-9))
                 ms = backward_ms(lambda q, k, v: attention(q, k, v, causal, D ** -0.5, atomic_dq=True), q, k, v)
                 rows.append(dict(case, mode="bwd", provider=ATOMIC, value=2.5 * flops / ms * 1e-9))
+                if warp_specialized_unsupported(q, k, v) is None:
+                    ms = bench_ms(lambda: attention(q, k, v, causal, D ** -0.5, warp_specialized=False))
+                    rows.append(dict(case, mode="fwd", provider=PORTABLE, value=flops / ms * 1e-9))
                 if fp8_supported():
                     q8, k8 = (t.detach().to(torch.float8_e5m2) for t in (q, k))
                     v8 = keys_contiguous(v.detach(), torch.float8_e5m2)  # the layout, written by the cast
@@ -779,7 +1042,8 @@ if __name__ == "__main__":
 # Reading the numbers
 # -------------------
 # Computed from the table above, in this run: v2 against the strongest PyTorch backend (cuDNN where
-# it runs), and against v1. For the backward, the two ways of finishing :math:`dQ` against each
+# it runs), and against v1. Where the warp-specialized forward ran (a Hopper GPU), the same forward
+# against the portable kernel. For the backward, the two ways of finishing :math:`dQ` against each
 # other, and the rate at which the two-pass backward really multiplies matrices: it executes seven
 # products where the FLOP count above credits five.
 
@@ -794,6 +1058,10 @@ if __name__ == "__main__":
             v1 = part[ours] / part["Triton v1 (lesson 03)"]
             line += f"; {v1.min():.1f}x to {v1.max():.1f}x v1"
         print(line)
+        if PORTABLE in part and mode == "fwd":
+            ws = part[ours] / part[PORTABLE]
+            print(f"    the warp-specialized forward is {ws.min():.2f}x to {ws.max():.2f}x the portable one "
+                  f"(faster at {(ws > 1).sum()} of {len(ws)} sizes)")
         if mode == "bwd":
             atomic = part[ATOMIC] / part[ours]
             executed = 7 / 5 * part[ours].max()
@@ -809,16 +1077,17 @@ if __name__ == "__main__":
         print("These are interpreter timings: they measure NumPy on the CPU, not GPU kernels.")
     save_results("04-fused-attention-v2", [{
         "name": f"attention v2 {mode}", "unit": "TFLOP/s", "ceiling_name": "fp16 matmul rate", "ceiling": peak,
-        "ours": [ours] + ([ATOMIC] if mode == "bwd" else []), "peers": peers,
+        "ours": [ours] + ([ATOMIC] if mode == "bwd" else [PORTABLE] if PORTABLE in table else []), "peers": peers,
         "rows": [r for r in results.to_dict("records") if r["mode"] == mode]} for mode in ("fwd", "bwd")])
 
 # %%
 # Where the rest of the gap to cuDNN lies
 # ---------------------------------------
-# On the H100 this lesson was tuned on, cuDNN stays ahead at :math:`D = 128` (the lines above give
-# the ratios on the machine that built this page). The reason is a budget, not a bug. A :math:`dK, dV`
-# program with 128 keys keeps two 128 x 128 fp32 accumulators: 128 KiB. Spread over 8 warps (256
-# threads) that is 128 of the 255 registers a thread may have, before the tiles of :math:`P^T` and
+# On a Hopper GPU the forward above is the warp-specialized one. The backward is still the portable
+# Triton program, and cuDNN stays ahead of it at :math:`D = 128` (the lines above give the ratios on
+# the machine that built this page). The reason is a budget, not a bug. A :math:`dK, dV` program
+# with 128 keys keeps two 128 x 128 fp32 accumulators: 128 KiB. Spread over 8 warps (256 threads)
+# that is 128 of the 255 registers a thread may have, before the tiles of :math:`P^T` and
 # :math:`dP^T` in flight and the addresses.
 #
 # One way to live within that budget is in the autotuner's list: a program with half the keys (64)
@@ -833,17 +1102,18 @@ if __name__ == "__main__":
 # below shows what each kernel chose at :math:`D = 128` on the GPU that built this page
 # (``BLOCK_M x BLOCK_N``; the :math:`dQ` kernel owns ``BLOCK_N`` queries and walks ``BLOCK_M`` keys).
 #
-# The fastest Hopper kernels (cuDNN's, FlashAttention-3) make that overlap deliberate instead of
-# leaving it to chance, in the forward pass as well, where the exponentials of one tile wait for
-# its matrix product and the next product waits for them. A few *producer* warps only issue
-# asynchronous bulk copies, the *consumer* warp groups then get up to 240 registers each
-# (``setmaxnreg``), and two consumer groups take turns, one computing exponentials while the other's
-# matrix products run. That is warp specialization, a different program shape from the one this
-# lesson teaches, and the natural next lesson.
+# That is overlap left to chance. The warp-specialized forward makes it deliberate, and a backward
+# built the same way (a loader warp for the :math:`Q` and :math:`dO` tiles, consumer warp groups
+# with 240 registers each, asynchronous products overlapping the exponentials) is what FlashAttention-3
+# does. It is the natural next step for this lesson's backward.
 #
-# Two cheaper ideas suggest themselves, and neither paid when this lesson was written (Triton 3.6,
-# :math:`D = 64` and 128, :math:`N` from 4096 to 16384, each against this forward in the same
-# run). *Half the exponentials*: PTX's ``ex2.approx.f16x2`` computes two fp16 exponentials per
+# Before the Gluon kernel, the portable forward was pushed as far as Triton's own tools would take
+# it (Triton 3.6, on an H100 or H200, each variant against the lesson's forward in the same run).
+# Loading through TMA tensor descriptors gave no gain. Triton's automatic warp specialization
+# (``tl.range(..., warp_specialize=True)``) was slower on Hopper. Issuing the next :math:`QK^T` by
+# hand before this block's exponentials was 2% to 18% slower, splitting each key tile in halves at
+# best 0.4% faster, and one-warp-group programs slower at every size. Two cheaper ideas did not pay
+# either. *Half the exponentials*: PTX's ``ex2.approx.f16x2`` computes two fp16 exponentials per
 # instruction, and :math:`P` is rounded to fp16 anyway. On an H100 it ran at 0.90x to 1.02x the
 # speed of the fp32 ``exp2``; the row sums need :math:`P` back in fp32, which costs about what the
 # halved exponentials saved. *Rescale rarely* (FlashAttention-4's trick): keep a stale row maximum
@@ -851,7 +1121,8 @@ if __name__ == "__main__":
 # the accumulator is rescaled only at those blocks. On an H200 that ran 7% to 13% slower: deciding
 # whether *any* row needs rescaling is a reduction across the whole program, a trip through shared
 # memory and a barrier at every key block, which costs more than the multiplications it skips. In
-# both cases the arithmetic that was cut was not what the tensor cores were waiting for.
+# every case the work that was cut was not what the tensor cores were waiting for. What they were
+# waiting for was the schedule, which is what the warp-specialized kernel changes.
 
 
 def tuned_choices(D):
@@ -882,8 +1153,9 @@ if __name__ == "__main__" and ON_GPU:
 # arguments (every stride of every tensor) run in Python for each call. When the host needs longer
 # to enqueue a call than the GPU needs to run it, the GPU idles between calls and the benchmark
 # measures the host. The check below times both for the smallest and largest size of the sweep.
-# (The usual cures are CUDA graphs, which replay a whole sequence of launches at once, or larger
-# batches of work per call.)
+# The warp-specialized forward costs the host more than the portable one: each call builds three
+# TMA descriptors in Python, and its GPU work at this size takes about as long. (The usual cures are CUDA
+# graphs, which replay a whole sequence of launches at once, or larger batches of work per call.)
 
 
 def host_and_gpu_ms(fn, calls=50):
