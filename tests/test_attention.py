@@ -77,6 +77,16 @@ def test_strided_inputs(version, causal, rng):
     check(VERSIONS[version], q, k, v, causal, rng)
 
 
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_heads_sharing_keys_and_values(version, causal, rng):
+    # Grouped-query attention written with expand: k and v have stride 0 along the heads.
+    B, H, N, D = 2, 4, 70, 64
+    q = randn((B, H, N, D), torch.float16, rng)
+    k, v = (randn((B, 1, N, D), torch.float16, rng).expand(B, H, N, D) for _ in range(2))
+    check(VERSIONS[version], q, k, v, causal, rng)
+
+
 def test_v2_non_causal_gradient_differs_from_causal(rng):
     """The published v2 tutorial returned the causal gradient for causal=False; the two must differ."""
     q, k, v = (randn((1, 1, 64, 32), torch.float16, rng).to(DEVICE).requires_grad_() for _ in range(3))
@@ -177,6 +187,10 @@ def test_warp_specialized_refuses_what_tma_cannot_load(rng):
     with pytest.raises(ValueError, match="TMA"):
         WARP_SPECIALIZED(q, k, v, False, 0.125)
     check(V2.attention, q, k, v, False, rng)  # the default falls back to the portable kernel
+    k = randn((1, 1, 64, 64), torch.float16, rng).expand(1, 2, 64, 64)  # one key head shared: stride 0
+    with pytest.raises(ValueError, match="positive multiples"):
+        WARP_SPECIALIZED(q, k, v.contiguous(), False, 0.125)
+    check(V2.attention, q, k, v.contiguous(), False, rng)
 
 
 def test_fp8_refused_without_fp8_tensor_cores():

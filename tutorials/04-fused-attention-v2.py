@@ -608,9 +608,10 @@ def warp_specialized_unsupported(q, k, v):
     if q.shape[-1] not in WS_HEAD_DIMS:
         return f"it takes head dims {WS_HEAD_DIMS}, not {q.shape[-1]}"
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(3) != 1 or any(s * t.element_size() % 16 for s in t.stride()[:3]) or t.data_ptr() % 16:
-            return (f"TMA copies need {name}'s last dimension contiguous, its other strides multiples of 16 bytes "
-                    f"and its data 16-byte aligned; it has strides {t.stride()}")
+        # A broadcast axis (stride 0, as in k.expand(...) to share one key head among many) is out too.
+        if t.stride(3) != 1 or any(s <= 0 or s * t.element_size() % 16 for s in t.stride()[:3]) or t.data_ptr() % 16:
+            return (f"TMA copies need {name}'s last dimension contiguous, its other strides positive multiples of "
+                    f"16 bytes and its data 16-byte aligned; it has strides {t.stride()}")
     return None
 
 
