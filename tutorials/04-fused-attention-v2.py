@@ -18,6 +18,8 @@ You will learn:
 * on Hopper, how FlashAttention-3's warp specialization (a loader warp, two consumer warp groups,
   asynchronous tensor-core products) speeds up the forward, written in Gluon, Triton's
   lower-level language;
+* how to find where a backward's time goes with the CUDA profiler, and why a better schedule did
+  not pay there;
 * the mistakes that learners' versions of this kernel make, and the tests that catch each one.
 """
 
@@ -1085,28 +1087,98 @@ if __name__ == "__main__":
 # Where the rest of the gap to cuDNN lies
 # ---------------------------------------
 # On a Hopper GPU the forward above is the warp-specialized one. The backward is still the portable
-# Triton program, and cuDNN stays ahead of it at :math:`D = 128` (the lines above give the ratios on
-# the machine that built this page). The reason is a budget, not a bug. A :math:`dK, dV` program
-# with 128 keys keeps two 128 x 128 fp32 accumulators: 128 KiB. Spread over 8 warps (256 threads)
-# that is 128 of the 255 registers a thread may have, before the tiles of :math:`P^T` and
-# :math:`dP^T` in flight and the addresses.
+# Triton program, and at :math:`D = 128` cuDNN stays ahead of it (the lines above give the ratios on
+# the machine that built this page). Before changing the backward, measure where its time goes.
+# The CUDA profiler below times each of its three kernels over a few backward passes at
+# :math:`D = 128` and the longest sequence of the sweep. It counts the matrix products that each
+# kernel executes, so it can give each kernel's own multiply rate.
+
+BACKWARD_PRODUCTS = {"attn_bwd_preprocess_kernel": 0, "attn_bwd_dkdv_kernel": 4, "attn_bwd_dq_kernel": 3}
+
+
+def backward_kernel_ms(q, k, v, causal, sm_scale, passes=3):
+    """{kernel name: GPU milliseconds per backward pass}, measured with the CUDA profiler."""
+    o = attention(q, k, v, causal, sm_scale)
+    do = torch.randn_like(o)
+    o.backward(do, retain_graph=True)  # autotuning happens here, outside the profile
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        for _ in range(passes):
+            o.backward(do, retain_graph=True)
+        torch.cuda.synchronize()
+    return {e.key: e.device_time_total / passes / 1e3 for e in profile.key_averages() if e.key in BACKWARD_PRODUCTS}
+
+
+if __name__ == "__main__" and ON_GPU:
+    B, H, D = cases[-1]
+    N = sizes[-1]
+    for causal in (False, True):
+        q, k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16, requires_grad=True) for _ in range(3))
+        times = backward_kernel_ms(q, k, v, causal, D ** -0.5)
+        total = sum(times.values())
+        per_product = 2 * B * H * N * N * D * (0.5 if causal else 1.0)  # about half the blocks when causal
+        print(f"backward, {'causal' if causal else 'non-causal'}, D={D}, N={N}: {total:.2f} ms of GPU time")
+        rates = {}
+        for name, ms in times.items():
+            line = f"    {name:27} {ms:7.2f} ms ({ms / total:4.0%})"
+            if BACKWARD_PRODUCTS[name]:
+                rates[name] = BACKWARD_PRODUCTS[name] * per_product / ms * 1e-9
+                line += f", {BACKWARD_PRODUCTS[name]} products at {rates[name]:.0f} TFLOP/s, {rates[name] / peak:.0%} of the matmul rate"
+            print(line)
+        recompute = 2 / 3 * times["attn_bwd_dq_kernel"] / total
+        line = (f"    recomputing S and dP in the dQ pass takes about {recompute:.0%} of the backward; these kernels "
+                f"multiply at {min(rates.values()) / peak:.0%} to {max(rates.values()) / peak:.0%} of the matmul rate")
+        cudnn = table.get("SDPA cuDNN", pd.Series(dtype=float)).get((D, causal, "bwd", N), float("nan"))
+        if math.isfinite(cudnn):
+            line += f", cuDNN's backward (five products) at {cudnn / peak:.0%}: " + (
+                "the gap is the two extra products, not the speed of each" if min(rates.values()) >= cudnn
+                else "cuDNN also multiplies faster than at least one of them")
+        print(line)
+        del q, k, v
+elif __name__ == "__main__":
+    print("The profile of the backward's kernels needs a GPU: under the interpreter there are no GPU kernels to time.")
+
+# %%
+# The last line of each case puts the numbers side by side. Two products in seven are work that
+# cuDNN does not do: its backward computes :math:`dQ` with :math:`dS` at hand, in the same program
+# as :math:`dK` and :math:`dV`, and adds it up across programs in fp32, as this lesson's
+# ``atomic_dq=True`` variant does. If each of the portable kernels multiplies at least as fast as
+# cuDNN's backward (as on the H100 this lesson was written on), a faster schedule for them cannot
+# close the gap by much, while cutting the two products could.
 #
-# One way to live within that budget is in the autotuner's list: a program with half the keys (64)
-# and half the warps (one warp group of 4). Each thread still holds 128 registers of accumulators,
-# but the program as a whole is small: 128 threads of at most 255 registers, and in shared memory
-# :math:`K` and :math:`V` (:math:`2 \times 64 \times D` fp16 values) plus two pipeline stages of
-# :math:`Q` and :math:`dO` (:math:`2 \times 2 \times 64 \times D`), 96 KiB at :math:`D = 128`. Two
-# such programs fit on one SM of an H100 (65,536 registers and 228 KiB of shared memory), and they
-# are independent: while one waits for its exponentials or its loads, the SM's warp schedulers can
-# run the other's matrix products. On an H100 the autotuner picks this shape for the :math:`dK, dV`
-# kernel at :math:`D = 128` nearly every time, over the 8-warp program with 128 keys. The table
-# below shows what each kernel chose at :math:`D = 128` on the GPU that built this page
-# (``BLOCK_M x BLOCK_N``; the :math:`dQ` kernel owns ``BLOCK_N`` queries and walks ``BLOCK_M`` keys).
+# The speed the kernels do reach comes from a budget. A :math:`dK, dV` program with 128 keys keeps
+# two 128 x 128 fp32 accumulators: 128 KiB. Spread over 8 warps (256 threads) that is 128 of the
+# 255 registers a thread may have, before the tiles of :math:`P^T` and :math:`dP^T` in flight and
+# the addresses. One way to live within that budget is in the autotuner's list: a program with half
+# the keys (64) and half the warps (one warp group of 4). Each thread still holds 128 registers of
+# accumulators, but the program as a whole is small: 128 threads of at most 255 registers, and in
+# shared memory :math:`K` and :math:`V` (:math:`2 \times 64 \times D` fp16 values) plus two
+# pipeline stages of :math:`Q` and :math:`dO` (:math:`2 \times 2 \times 64 \times D`), 96 KiB at
+# :math:`D = 128`. Two such programs fit on one SM of an H100 (65,536 registers and 228 KiB of
+# shared memory), and they are independent: while one waits for its exponentials or its loads,
+# the SM's warp schedulers can run the other's matrix products. On an H100 the autotuner picks
+# this shape for the :math:`dK, dV` kernel at :math:`D = 128` nearly every time, over the 8-warp
+# program with 128 keys. The table below shows what each kernel chose at :math:`D = 128` on the
+# GPU that built this page (``BLOCK_M x BLOCK_N``; the :math:`dQ` kernel owns ``BLOCK_N`` queries
+# and walks ``BLOCK_M`` keys).
 #
-# That is overlap left to chance. The warp-specialized forward makes it deliberate, and a backward
-# built the same way (a loader warp for the :math:`Q` and :math:`dO` tiles, consumer warp groups
-# with 240 registers each, asynchronous products overlapping the exponentials) is what FlashAttention-3
-# does. It is the natural next step for this lesson's backward.
+# That is overlap left to chance, so the obvious next step was to make it deliberate, as the
+# forward does. While this lesson was written, a warp-specialized :math:`dK, dV` kernel was built in
+# Gluon and measured on an H100 (Triton 3.6): a loader warp streaming 64-query tiles of :math:`Q`
+# and :math:`dO`, two consumer warp groups of 64 keys each with 240 registers, :math:`S^T` and
+# :math:`dP^T` issued asynchronously, and :math:`P^T` fed from registers into the product that
+# makes :math:`dV`. Against the Triton :math:`dK, dV` kernel in the same run, at :math:`D = 128`
+# and :math:`N` from 4096 to 16384, it ran at 1.04x to 1.21x its speed without masking and 0.91x
+# to 1.11x with causal masking (the best of two and three pipeline stages), and at :math:`D = 64`
+# at 0.86x to 0.95x. For the whole backward that is a change of about 10% at most, in either
+# direction: the size of the GPU's run-to-run noise, since the Triton kernel itself measured 15.6 ms
+# in one run and 17.2 ms in another at the same size. So it is not in this lesson. On that H100 the
+# profile above says why: the Triton kernels already multiplied faster than cuDNN's backward, so a
+# better schedule for them had little left to win. Cutting the two extra products without
+# losing that rate is what FlashAttention-3's backward does, with a design larger than this
+# lesson's kernels: :math:`dS` written to shared memory by both consumer warp groups, :math:`dQ`
+# multiplied from there, and the fp32 sums added into global memory by TMA reduce operations that
+# a separate warp issues, so that no consumer waits for an atomic.
 #
 # Before the Gluon kernel, the portable forward was pushed as far as Triton's own tools would take
 # it (Triton 3.6, on an H100 or H200, each variant against the lesson's forward in the same run).
