@@ -437,8 +437,9 @@ def attn_bwd_dq_kernel(
 # * The TMA copies read 4-D boxes (1 batch, 1 head, 64 or 128 rows, :math:`D`) out of the
 #   (B, H, N, D) tensors, with whatever strides those have, and fill rows past :math:`N` with zeros.
 #   So any sequence length and the transposed inputs work. Only the last, ragged key block needs a
-#   mask. The price: TMA needs the last dimension contiguous and the other strides to be multiples
-#   of 16 bytes. Other inputs take the portable kernel.
+#   mask. The price: TMA needs the last dimension contiguous and the other strides to be positive
+#   multiples of 16 bytes (a head broadcast with ``expand``, stride 0, does not qualify). Other
+#   inputs take the portable kernel.
 # * An mbarrier's *phase* flips each time it completes, and a wait names the phase it waits for. A
 #   ring of ``STAGES`` buffers is reused every ``STAGES`` blocks, so block :math:`j` waits for phase
 #   :math:`\lfloor j / \text{STAGES} \rfloor \bmod 2`. A fresh barrier counts as having completed
@@ -1227,11 +1228,12 @@ if __name__ == "__main__" and ON_GPU:
 # to enqueue a call than the GPU needs to run it, the GPU idles between calls and the benchmark
 # measures the host. The check below times both for the smallest and largest size of the sweep.
 # The warp-specialized forward adds its own host work: each call builds three TMA descriptors in
-# Python, about 20 microseconds on the H100 this lesson was developed on. At :math:`N = 1024` its GPU work
-# takes about as long as the portable kernel's (replayed from CUDA graphs there, the two measured
-# within 20% of each other, either way round, across head dims and masking), so at the smallest
-# sizes the benchmark's lines for the two forwards mostly compare host noise. (The usual cures are
-# CUDA graphs, which replay a whole sequence of launches at once, or larger batches of work per call.)
+# Python, about 20 microseconds on the H100 this lesson was developed on. At :math:`N = 1024` its
+# GPU work takes about as long as the portable kernel's (replayed from CUDA graphs there, the two
+# measured within 20% of each other, either way round, across head dims and masking), so at the
+# smallest sizes the benchmark's lines for the two forwards mostly compare host noise. (The usual
+# cures are CUDA graphs, which replay a whole sequence of launches at once, or larger batches of
+# work per call.)
 
 
 def host_and_gpu_ms(fn, calls=50):
