@@ -244,3 +244,22 @@ def test_fp8_refuses_head_dim_16(rng):
     qkv = [randn((1, 2, 8, 16), torch.float32, rng).to(torch.float8_e5m2) for _ in range(3)]
     with pytest.raises(ValueError, match="head dim 32 or more"):
         V2.attention(*qkv, False, 0.25)
+
+
+def test_benchmark_rounds_alternate_and_drop_a_failing_provider(monkeypatch, capsys):
+    monkeypatch.setattr(V2, "ROUNDS", 3)
+    calls = []
+
+    def timer(name, ms=1.0):
+        def run():
+            calls.append(name)
+            if name == "broken":
+                raise RuntimeError("no kernel for this case\nsecond line")
+            return ms + len(calls)
+        return run
+
+    times = V2.measure_in_rounds({("a", "fwd"): timer("a"), ("broken", "fwd"): timer("broken"),
+                                  ("broken", "bwd"): timer("broken"), ("b", "bwd"): timer("b")}, "N=7")
+    assert calls == ["a", "broken", "b", "b", "a", "a", "b"]  # rounds: first to last, back, again; "broken" once
+    assert times == {("a", "fwd"): [2.0, 6.0, 7.0], ("b", "bwd"): [4.0, 5.0, 8.0]}
+    assert "broken skipped at N=7: no kernel for this case" in capsys.readouterr().out
