@@ -1214,8 +1214,28 @@ elif __name__ == "__main__":
 # multiplied from there, and the fp32 sums added into global memory by TMA reduce operations that
 # a separate warp issues, so that no consumer waits for an atomic.
 #
-# Those TMA reduce operations are also open to plain Triton: ``desc.atomic_add(offsets, tile)`` on a
-# tensor descriptor adds a whole tile with one bulk copy instead of one atomic per element. Tried
+# That design was built for this lesson too, in Gluon on Triton 3.6, on top of the warp-specialized
+# :math:`dK, dV` kernel described above. It matched float64 in every case tried (:math:`D` = 64
+# and 128, causal and not, fp16 at :math:`N` = 1, 77, 300 and 1000, bf16 at 300), and it was
+# slower than the two-pass backward. What it lacked is the last part of the design: Gluon in
+# Triton 3.6 has no TMA reduce operation (Triton 3.9 has one, ``tma.async_atomic_add``), so every
+# fp32 addition into :math:`dQ` was one atomic per element. Three ways of issuing them were
+# measured on an H100, against the two-pass backward in the same run, at :math:`N` from 4096 to
+# 16384:
+#
+# * each warp group adds the :math:`dQ` share of its own 64 keys: 0.58x to 0.75x;
+# * both groups write :math:`dS` to shared memory and each multiplies half of :math:`dQ`'s columns
+#   over all 128 keys, so each element gets one addition per key block: 0.74x to 0.87x at
+#   :math:`D = 128`, 0.83x to 1.02x at :math:`D = 64`;
+# * the same, with two more warps that take :math:`dQ` from shared memory and issue the atomics in
+#   place of the consumers: 0.64x to 0.73x at :math:`D = 128`, most likely because two warps
+#   issuing 8,192 single additions per query block could not keep pace with the consumers.
+#
+# So this lesson keeps the two recomputed products: at the rate these kernels multiply, they cost
+# less than that many atomics.
+#
+# Plain Triton 3.6 does have TMA reduce operations: ``desc.atomic_add(offsets, tile)`` on a tensor
+# descriptor adds a whole tile with one bulk copy instead of one atomic per element. Tried
 # in place of ``tl.atomic_add`` in the ``atomic_dq=True`` variant on an H100 (Triton 3.6), it made
 # that variant about 2% faster at :math:`D = 128` and 7% to 16% faster at :math:`D = 64`, and it
 # still ran at 0.91x to 1.02x the speed of the two-pass backward. So it is not in this lesson. The
