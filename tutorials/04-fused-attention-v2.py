@@ -405,9 +405,10 @@ def attn_bwd_dq_kernel(
 # -------------------------------------------------------
 # The forward kernel above reaches about 0.8x cuDNN's speed at :math:`D = 128` on an H100, and no
 # choice of tiles, stages or warps moves it further (the section "Where the rest of the gap to
-# cuDNN lies" below lists what was tried). The reason is how its warps spend their time. Every warp does everything in turn: it
-# issues the loads of the next key block, waits for :math:`QK^T` on the tensor cores, computes the
-# exponentials on the ordinary cores while the tensor cores idle, then waits for :math:`PV`. Triton
+# cuDNN lies" below lists what was tried). The reason is how its warps spend their time. Every
+# warp does everything in turn: it issues the loads of the next key block, waits for :math:`QK^T`
+# on the tensor cores, computes the exponentials on the ordinary cores while the tensor cores
+# idle, then waits for :math:`PV`. Triton
 # overlaps some of this on its own, but the program shape stays "all warps, one step at a time".
 #
 # FlashAttention-3 (Shah et al., 2024), and cuDNN, give the warps *roles* instead:
@@ -1103,10 +1104,10 @@ if __name__ == "__main__":
         print(f"fp8 forward vs. fp16 forward: {fp8.min():.2f}x to {fp8.max():.2f}x "
               f"(at N >= 4096: {long_rows.min():.2f}x to {long_rows.max():.2f}x)")
     if ROUNDS > 1:
-        by_n = results.groupby("N")["spread"]
+        spread = results.groupby("N")["spread"].agg(["median", "max"])
         print(f"Each number is the fastest of {ROUNDS} timings taken in alternating order. How far the timings of one "
               "provider in one case spread, over all providers and cases, median (largest): "
-              + ", ".join(f"N={n}: {m:.1%} ({x:.0%})" for n, m, x in zip(by_n.median().index, by_n.median(), by_n.max())))
+              + ", ".join(f"N={n}: {row['median']:.1%} ({row['max']:.0%})" for n, row in spread.iterrows()))
     if not ON_GPU:
         print("These are interpreter timings: they measure NumPy on the CPU, not GPU kernels.")
     save_results("04-fused-attention-v2", [{
