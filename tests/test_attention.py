@@ -10,13 +10,15 @@ from torch.nn.functional import scaled_dot_product_attention
 from conftest import load_tutorial
 
 V1, V2 = load_tutorial("03-fused-attention-v1"), load_tutorial("04-fused-attention-v2")
-# v2's two backward strategies: dQ in its own pass, or added atomically by the dK, dV programs.
+# v2's backward strategies: dQ in its own pass, or added atomically by the dK, dV programs.
 VERSIONS = {"v1": V1.attention, "v2": V2.attention, "v2-atomic-dq": partial(V2.attention, atomic_dq=True)}
 DEVICE = V2.DEVICE  # the lessons run where Triton does: the GPU if there is one
 ON_HOPPER = V2.ON_GPU and torch.cuda.get_device_capability()[0] == 9
 if ON_HOPPER:
-    # On Hopper "v2" runs the warp-specialized forward where it applies; test the portable one too.
-    VERSIONS["v2-portable-forward"] = partial(V2.attention, warp_specialized=False)
+    # On Hopper "v2" runs the warp-specialized kernels where they apply: test every portable path too.
+    VERSIONS["v2-portable"] = partial(V2.attention, warp_specialized=False)
+    VERSIONS["v2-portable-atomic-dq"] = partial(V2.attention, warp_specialized=False, atomic_dq=True)
+    VERSIONS["v2-two-pass-backward"] = partial(V2.attention, atomic_dq=False)
 # Max error over the largest reference value (at least 1: with one key, dQ and dK are exactly 0).
 TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
@@ -95,6 +97,15 @@ def test_v2_non_causal_gradient_differs_from_causal(rng):
         out = V2.attention(q, k, v, causal, 32 ** -0.5)
         grads.append(torch.autograd.grad(out.sum(), (q, k, v)))
     assert not torch.allclose(grads[0][1].float(), grads[1][1].float(), atol=1e-2)
+
+
+def test_two_pass_backward_gives_the_same_bits_every_run(rng):
+    """atomic_dq=False promises a reproducible dQ: nothing in it depends on the order of additions."""
+    q, k, v = (randn((1, 2, 200, 64), torch.float16, rng).requires_grad_() for _ in range(3))
+    do = randn((1, 2, 200, 64), torch.float16, rng)
+    runs = [torch.autograd.grad(V2.attention(q, k, v, True, 0.125, atomic_dq=False), (q, k, v), do) for _ in range(2)]
+    for first, second in zip(*runs):
+        assert torch.equal(first, second)
 
 
 def good():
@@ -191,6 +202,30 @@ def test_warp_specialized_refuses_what_tma_cannot_load(rng):
     with pytest.raises(ValueError, match="positive multiples"):
         WARP_SPECIALIZED(q, k, v.contiguous(), False, 0.125)
     check(V2.attention, q, k, v.contiguous(), False, rng)
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_warp_specialized_backward_takes_any_gradient_layout(causal, rng):
+    """dO comes from whatever follows attention: one that TMA cannot load is copied, not misread."""
+    q, k, v = (randn((2, 3, 150, 128), torch.float16, rng).requires_grad_() for _ in range(3))
+    do = randn((2, 3, 150, 256), torch.float16, rng)[..., ::2]  # every other column: not TMA-loadable
+    assert not V2.tma_loadable(do)
+    got = torch.autograd.grad(WARP_SPECIALIZED(q, k, v, causal, 0.125), (q, k, v), do)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = torch.autograd.grad(reference(q64, k64, v64, causal, 0.125), (q64, k64, v64), do.double())
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        error = ((a.double() - b).abs().max() / b.abs().max()).item()
+        assert error < TOLERANCE[torch.float16], f"{name}: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("n", [1, 4, 77, 300])
+def test_rows_of_lse_padded_for_tma(n, rng):
+    """TMA wants row strides in multiples of 16 bytes: rows of any length are described by a padded copy."""
+    x = torch.randn(3, n, generator=rng)
+    desc = V2._ws_row_descriptor(x)
+    assert list(desc.shape) == [3, n] and desc.strides[0] % 4 == 0
+    assert torch.equal(desc.base[:, :n], x)
 
 
 def test_fp8_refused_without_fp8_tensor_cores():

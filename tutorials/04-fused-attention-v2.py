@@ -5,8 +5,8 @@ Fused attention v2: FlashAttention-2, forward and backward
 FlashAttention-2 (Dao, 2023) reorganizes the FlashAttention-1 algorithm of the previous lesson so
 that a GPU spends its time in matrix multiplications. This lesson builds it in Triton, forward and
 backward, correct for every sequence length, head dimension and masking mode, and measures it
-against PyTorch's cuDNN and flash backends. On Hopper GPUs the forward then goes one step further,
-to the warp-specialized design of FlashAttention-3.
+against PyTorch's cuDNN and flash backends. On Hopper GPUs the forward and the backward then go one
+step further, to the warp-specialized design of FlashAttention-3.
 
 You will learn:
 
@@ -18,8 +18,9 @@ You will learn:
 * on Hopper, how FlashAttention-3's warp specialization (a loader warp, two consumer warp groups,
   asynchronous tensor-core products) speeds up the forward, written in Gluon, Triton's
   lower-level language;
-* how to find where a backward's time goes with the CUDA profiler, and why a better schedule did
-  not pay there;
+* how its backward computes :math:`dQ` without recomputing anything, with :math:`dS` shared in
+  shared memory and TMA bulk reductions, and what its register budget decides;
+* how to find where a backward's time goes with the CUDA profiler;
 * the mistakes that learners' versions of this kernel make, and the tests that catch each one.
 """
 
@@ -404,8 +405,8 @@ def attn_bwd_dq_kernel(
 # On Hopper: a warp-specialized forward, written in Gluon
 # -------------------------------------------------------
 # The forward kernel above reaches about 0.8x cuDNN's speed at :math:`D = 128` on an H100, and no
-# choice of tiles, stages or warps moves it further (the section "Where the rest of the gap to
-# cuDNN lies" below lists what was tried). The reason is how its warps spend their time. Every
+# choice of tiles, stages or warps moves it further (the section "Where the backward's time goes"
+# below lists what was tried). The reason is how its warps spend their time. Every
 # warp does everything in turn: it issues the loads of the next key block, waits for :math:`QK^T`
 # on the tensor cores, computes the exponentials on the ordinary cores while the tensor cores
 # idle, then waits for :math:`PV`. Triton
@@ -458,7 +459,8 @@ def attn_bwd_dq_kernel(
 
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
@@ -605,8 +607,16 @@ def attn_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, qk_scale, H, N, sob, soh,
     ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])
 
 
+def tma_loadable(t):
+    """Whether TMA can copy boxes of t: its last dimension contiguous, its other strides positive
+    multiples of 16 bytes (a broadcast axis, stride 0, as in k.expand(...), is out) and its data
+    16-byte aligned."""
+    return (t.stride(-1) == 1 and all(s > 0 and s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+            and t.data_ptr() % 16 == 0)
+
+
 def warp_specialized_unsupported(q, k, v):
-    """Why the warp-specialized forward cannot take these inputs here, or None when it can."""
+    """Why the warp-specialized kernels cannot take these inputs here, or None when they can."""
     if not ON_GPU or torch.cuda.get_device_capability(q.device)[0] != 9:
         return "it needs a Hopper GPU (compute capability 9.x)"
     if q.dtype not in SUPPORTED_DTYPES:
@@ -614,8 +624,7 @@ def warp_specialized_unsupported(q, k, v):
     if q.shape[-1] not in WS_HEAD_DIMS:
         return f"it takes head dims {WS_HEAD_DIMS}, not {q.shape[-1]}"
     for name, t in (("q", q), ("k", k), ("v", v)):
-        # A broadcast axis (stride 0, as in k.expand(...) to share one key head among many) is out too.
-        if t.stride(3) != 1 or any(s <= 0 or s * t.element_size() % 16 for s in t.stride()[:3]) or t.data_ptr() % 16:
+        if not tma_loadable(t):
             return (f"TMA copies need {name}'s last dimension contiguous, its other strides positive multiples of "
                     f"16 bytes and its data 16-byte aligned; it has strides {t.stride()}")
     return None
@@ -627,26 +636,297 @@ def _ws_box_layout(rows, D, dtype):
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, D], gl.float16 if dtype == torch.float16 else gl.bfloat16)
 
 
+def _ws_descriptor(t, rows):
+    """A TMA descriptor for (1, 1, rows, D) boxes of a (B, H, N, D) tensor, with whatever strides it has."""
+    D = t.shape[-1]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, D], _ws_box_layout(rows, D, t.dtype))
+
+
 def _ws_forward(q, k, v, o, lse, causal, sm_scale):
     B, H, N, D = q.shape
-
-    def descriptor(t, rows):
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, D], _ws_box_layout(rows, D, t.dtype))
-
     attn_fwd_ws_kernel[(triton.cdiv(N, WS_BLOCK_M), B * H)](
-        descriptor(q, WS_BLOCK_M // 2), descriptor(k, WS_BLOCK_N), descriptor(v, WS_BLOCK_N), o, lse,
+        _ws_descriptor(q, WS_BLOCK_M // 2), _ws_descriptor(k, WS_BLOCK_N), _ws_descriptor(v, WS_BLOCK_N), o, lse,
         sm_scale * LOG2E, H, N, *o.stride()[:3], D=D, CAUSAL=causal, BLOCK_M=WS_BLOCK_M, BLOCK_N=WS_BLOCK_N,
         STAGES=WS_STAGES, CONSUMER_REGISTERS=WS_CONSUMER_REGISTERS, LOADER_REGISTERS=WS_LOADER_REGISTERS, num_warps=4)
 
 
 # %%
+# The backward on Hopper: FlashAttention-3's design
+# -------------------------------------------------
+# The portable backward above executes seven matrix products per block pair where five would do:
+# its :math:`dQ` pass recomputes :math:`S` and :math:`dP`. Its atomic variant executes five, but
+# adds every element of :math:`dQ` with its own atomic instruction, and on an H100 that costs more
+# than the two products it saves (the benchmark below measures both). FlashAttention-3's backward
+# keeps the five products and makes the additions cheap. One program owns 128 keys, split between
+# two consumer warp groups of 64 keys each, plus a loader warp that streams 64-query blocks of
+# :math:`Q` and :math:`dO` through a ring of shared-memory buffers, as in the forward. Per query
+# block, each consumer group:
+#
+# 1. issues :math:`S^T = K Q^T` and :math:`dP^T = V\,dO^T` for its keys (64 x 64 each);
+# 2. makes :math:`P^T` and :math:`dS^T = P^T \circ (dP^T - \Delta)`, and starts
+#    :math:`dV \mathrel{+}= P^T dO` with :math:`P^T` straight from registers (the left operand of
+#    ``wgmma`` may live in registers; that is why the kernel computes :math:`S^T` and not :math:`S`);
+# 3. writes its :math:`dS^T` to shared memory and waits for the other group's. Each query's
+#    :math:`dQ` row needs :math:`dS` for all 128 keys of the program, so each group multiplies
+#    :math:`dS\,K` for *half of the columns* of :math:`dQ` (64 of 128 at :math:`D = 128`) over both
+#    groups' keys: one addition per element per program, not two;
+# 4. starts :math:`dK \mathrel{+}= dS^T Q` last, and while it runs, sends its :math:`dQ` columns
+#    out: registers to shared memory, then a *TMA reduction* (``cp.reduce.async.bulk``) adds the
+#    whole fp32 tile into global memory in one bulk operation, in the L2 cache, while the warps go on.
+#
+# Four details decided its speed, each measured on an H100 against the two-pass backward in the
+# same run (Triton 3.6, :math:`D = 128`, :math:`N` from 4096 to 16384; the numbers are in the
+# section "Where the backward's time goes" below):
+#
+# * **Bulk reductions, not element atomics.** With ``gl.atomic_add`` (one ``red.global.add.f32``
+#   per element) the same design ran at 0.74x to 0.87x the two-pass speed; with TMA reductions it
+#   reached 0.94x. Triton 3.6's Gluon can emit the operation but has no name for it yet (later
+#   versions call it ``tma.async_atomic_add``), so the lesson defines the builtin itself, the way it
+#   bridges ``async_load``'s two names.
+# * **A bank-conflict-free staging tile.** TMA reads the fp32 tile from shared memory in the
+#   swizzled layout that ``NVMMASharedLayout`` describes, whose rows may be at most 128 bytes: 32
+#   fp32 values. So :math:`dQ`'s 64 columns go out as two 32-column boxes. In an unswizzled 256-byte
+#   row layout, the eight rows that one warp writes land on the same memory banks: an 8-way
+#   conflict on every store.
+# * **Registers.** A consumer thread holds :math:`dK` and :math:`dV` for 64 keys (128 registers at
+#   :math:`D = 128`), :math:`S^T` and :math:`dP^T` (64 more), and its :math:`dQ` columns (32), of
+#   the 240 that ``setmaxnreg`` gives it. The first working version spilled 412 bytes per thread to
+#   local memory without masking and 1004 bytes with it (``ptxas -v``). Four changes brought that to
+#   116 and 144 bytes: the loader also brings each query block's :math:`\mathrm{LSE}_2` and
+#   :math:`\Delta` into shared memory by TMA (no pointers, masks or index vectors in the
+#   consumers); :math:`P^T` is kept in 16 bits once :math:`dS^T` is made; the causal mask's index
+#   vectors are made where they are used, not kept across the loop; and one loop handles the masked
+#   and the unmasked query blocks, with the mask behind a branch, since a second loop made the
+#   compiler spill in both.
+# * **Overlap.** :math:`dK`'s product is issued after :math:`dQ`'s, so the wait for :math:`dQ`
+#   leaves it running while the tile is stored and sent.
+#
+# Where the TMA box crosses the end of the sequence, the loads fill zeros and the reductions skip
+# the rows past :math:`N`, so no query block needs a bounds mask. :math:`dQ` is summed in an fp32
+# buffer and rounded to the input dtype at the end. As with ``atomic_dq=True``, the order of the
+# additions varies, so :math:`dQ`'s last bits can differ from run to run; ``atomic_dq=False``
+# asks for the two-pass backward, which gives the same bits every time.
+
+WS_BWD_BLOCK_M, WS_BWD_BLOCK_N, WS_BWD_STAGES = 64, 128, 2
+_WS_ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+_WS_DQ_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=4)
+
+if hasattr(tma, "async_atomic_add"):
+    _tma_reduce_add = tma.async_atomic_add
+else:  # Triton 3.6: the compiler has the operation, Gluon no name for it yet
+    from triton._C.libtriton import ir as _ir  # noqa: E402
+    from triton.experimental.gluon.language._core import builtin as _gluon_builtin  # noqa: E402
+
+    @_gluon_builtin
+    def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+_group_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier  # named so since Triton 3.7
+
+
+@gluon.jit
+def _ws_bwd_loader(desc_q, desc_k, desc_v, desc_do, desc_lse, desc_delta, q_smem, k_smem, v_smem, do_smem, lse_smem,
+                   delta_smem, kv_full, q_full, q_empty, do_full, do_empty, b, h, bh, start_n, first, last,
+                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    ROWS: gl.constexpr = desc_k.block_type.shape[2]
+    mbarrier.expect(kv_full, 2 * desc_k.block_type.nbytes + 2 * desc_v.block_type.nbytes)
+    for g in gl.static_range(2):  # the keys of both consumer groups
+        _tma_load(desc_k, [b, h, start_n + g * ROWS, 0], kv_full, k_smem.index(g))
+        _tma_load(desc_v, [b, h, start_n + g * ROWS, 0], kv_full, v_smem.index(g))
+    for j in range(first, last):
+        stage = (j - first) % STAGES
+        phase = ((j - first) // STAGES) & 1
+        # Q travels with its rows' LSE, dO with their Delta, each pair under one barrier.
+        mbarrier.wait(q_empty.index(stage), phase ^ 1)
+        mbarrier.expect(q_full.index(stage), desc_q.block_type.nbytes + desc_lse.block_type.nbytes)
+        _tma_load(desc_q, [b, h, j * BLOCK_M, 0], q_full.index(stage), q_smem.index(stage))
+        _tma_load(desc_lse, [bh, j * BLOCK_M], q_full.index(stage), lse_smem.index(stage))
+        mbarrier.wait(do_empty.index(stage), phase ^ 1)
+        mbarrier.expect(do_full.index(stage), desc_do.block_type.nbytes + desc_delta.block_type.nbytes)
+        _tma_load(desc_do, [b, h, j * BLOCK_M, 0], do_full.index(stage), do_smem.index(stage))
+        _tma_load(desc_delta, [bh, j * BLOCK_M], do_full.index(stage), delta_smem.index(stage))
+
+
+@gluon.jit
+def _ws_bwd_step(j, i, dk, dv, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, q_full,
+                 q_empty, do_full, do_empty, ds_ready, ds_free, desc_dq, b, h, first_key, unmasked_from, qk_scale,
+                 sm_scale, GROUP: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                 t_layout: gl.constexpr, a_layout: gl.constexpr, q_layout: gl.constexpr):
+    """Query block j, the i-th of this program: dV, dK for this group's keys, and its columns of dQ."""
+    ROWS: gl.constexpr = k_smem.shape[-2]
+    D: gl.constexpr = k_smem.shape[-1]
+    BLOCK_M: gl.constexpr = q_smem.shape[-2]
+    DH: gl.constexpr = D // 2  # this group's columns of dQ
+    stage = i % STAGES
+    mbarrier.wait(q_full.index(stage), (i // STAGES) & 1)
+    mbarrier.wait(do_full.index(stage), (i // STAGES) & 1)
+    k = k_smem.index(GROUP).reshape([ROWS, D])
+    v = v_smem.index(GROUP).reshape([ROWS, D])
+    qs = q_smem.index(stage).reshape([BLOCK_M, D])
+    dos = do_smem.index(stage).reshape([BLOCK_M, D])
+    zeros = gl.zeros([ROWS, BLOCK_M], gl.float32, t_layout)
+    st = warpgroup_mma(k, qs.permute((1, 0)), zeros, use_acc=False, is_async=True)
+    dpt = warpgroup_mma(v, dos.permute((1, 0)), zeros, use_acc=False, is_async=True)
+    st, dpt = warpgroup_mma_wait(0, deps=[st, dpt])
+    pt = gl.exp2(st * qk_scale - lse_smem.index(stage).load(t_layout))
+    if CAUSAL and j < unmasked_from:
+        # Key row r sees query column c when first_key + r <= j * BLOCK_M + c.
+        rel = gl.arange(0, ROWS, gl.SliceLayout(1, t_layout)) + (first_key - j * BLOCK_M)
+        pt = gl.where(rel[:, None] <= gl.arange(0, BLOCK_M, gl.SliceLayout(0, t_layout))[None, :], pt, 0.0)
+    dst = (pt * (dpt - delta_smem.index(stage).load(t_layout))).to(qs.dtype)
+    pt_op = gl.convert_layout(pt.to(qs.dtype), a_layout)
+    dv = warpgroup_mma(pt_op, dos, dv, is_async=True)
+    # Share dS^T: the other group's is needed for this group's columns of dQ, and vice versa.
+    mbarrier.wait(ds_free, (i & 1) ^ 1)  # both groups are done with the previous block's
+    ds_smem.index(GROUP).store(dst)
+    fence_async_shared()
+    _group_barrier()
+    mbarrier.arrive(ds_ready, count=1)
+    mbarrier.wait(ds_ready, i & 1)
+    dq = gl.zeros([BLOCK_M, DH], gl.float32, q_layout)
+    for g in gl.static_range(2):
+        kg = k_smem.index(g).reshape([ROWS, D]).slice(GROUP * DH, DH, dim=1)
+        dq = warpgroup_mma(ds_smem.index(g).permute((1, 0)), kg, dq, use_acc=g > 0, is_async=True)
+    dst_op = gl.convert_layout(dst, a_layout)
+    dk = warpgroup_mma(dst_op, qs, dk, is_async=True)  # issued last: it runs while dQ is sent out
+    dv, dq, pt_op = warpgroup_mma_wait(1, deps=[dv, dq, pt_op])
+    mbarrier.arrive(ds_free, count=1)
+    mbarrier.arrive(do_empty.index(stage), count=1)
+    dq = dq * sm_scale
+    tma.store_wait(0)  # the previous block's reductions have read the staging tiles
+    _group_barrier()
+    if DH == 32:
+        dq_smem.index(GROUP).reshape([BLOCK_M, 32]).store(dq)
+    else:  # two 32-column boxes: the widest that a 128-byte swizzled fp32 row holds
+        left, right = gl.split(gl.permute(gl.reshape(dq, [BLOCK_M, 2, 32]), (0, 2, 1)))
+        dq_smem.index(2 * GROUP).reshape([BLOCK_M, 32]).store(left)
+        dq_smem.index(2 * GROUP + 1).reshape([BLOCK_M, 32]).store(right)
+    fence_async_shared()
+    _group_barrier()
+    for p in gl.static_range(DH // 32):
+        _tma_reduce_add(desc_dq, [b, h, j * BLOCK_M, GROUP * DH + p * 32], dq_smem.index(GROUP * (DH // 32) + p))
+    dk, dst_op = warpgroup_mma_wait(0, deps=[dk, dst_op])
+    mbarrier.arrive(q_empty.index(stage), count=1)
+    return dk, dv
+
+
+@gluon.jit
+def _ws_bwd_consumer(GROUP: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+                     kv_full, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, desc_dq, DK, DV, qk_scale, sm_scale,
+                     b, h, bh, start_n, N, first, unmasked_from, last, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+    ROWS: gl.constexpr = k_smem.shape[-2]
+    D: gl.constexpr = k_smem.shape[-1]
+    BLOCK_M: gl.constexpr = q_smem.shape[-2]
+    # S^T, dP^T: ROWS x BLOCK_M; dK, dV: ROWS x D; dQ: BLOCK_M x D/2; P^T, dS^T as a register operand.
+    t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+    g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D // 2, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(0, g_layout, 2)
+    dk = gl.zeros([ROWS, D], gl.float32, g_layout)
+    dv = gl.zeros([ROWS, D], gl.float32, g_layout)
+    first_key = start_n + GROUP * ROWS
+    mbarrier.wait(kv_full, 0)
+    for j in range(first, last):
+        dk, dv = _ws_bwd_step(j, j - first, dk, dv, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem,
+                              dq_smem, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, desc_dq, b, h, first_key,
+                              unmasked_from, qk_scale, sm_scale, GROUP, CAUSAL, STAGES, t_layout, a_layout, q_layout)
+    keys = first_key + gl.arange(0, ROWS, gl.SliceLayout(1, g_layout))
+    out = bh * N * D + keys[:, None] * D + gl.arange(0, D, gl.SliceLayout(0, g_layout))[None, :]
+    gl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=keys[:, None] < N)
+    gl.store(DV + out, dv.to(DV.dtype.element_ty), mask=keys[:, None] < N)
+
+
+@gluon.jit(do_not_specialize=["N"])  # Triton 3.6 fails to compile this kernel with N = 1 specialized in
+def attn_bwd_ws_kernel(desc_q, desc_k, desc_v, desc_do, desc_lse, desc_delta, desc_dq, DK, DV, qk_scale, sm_scale, H,
+                       N, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                       CONSUMER_REGISTERS: gl.constexpr, LOADER_REGISTERS: gl.constexpr):
+    start_n = gl.program_id(0) * BLOCK_N
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+    last = gl.cdiv(N, BLOCK_M)
+    if CAUSAL:
+        first = start_n // BLOCK_M  # query blocks above the diagonal see none of these keys
+        unmasked_from = first + BLOCK_N // BLOCK_M  # the blocks that cross the diagonal need the mask
+    else:
+        first = 0
+        unmasked_from = 0
+    dtype: gl.constexpr = desc_q.dtype
+    D: gl.constexpr = desc_q.block_type.shape[3]
+    ROWS: gl.constexpr = BLOCK_N // 2
+    k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, D], desc_k.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, D], desc_v.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, D], desc_q.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, D], desc_do.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], desc_lse.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], desc_delta.layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, ROWS, BLOCK_M], gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_M], dtype))
+    dq_smem = gl.allocate_shared_memory(gl.float32, [D // 32, 1, 1, BLOCK_M, 32], desc_dq.layout)
+    kv_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_full, count=1)
+    mbarrier.init(ds_ready, count=2)  # one arrival from each consumer group
+    mbarrier.init(ds_free, count=2)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(q_full.index(s), count=1)
+        mbarrier.init(do_full.index(s), count=1)
+        mbarrier.init(q_empty.index(s), count=2)
+        mbarrier.init(do_empty.index(s), count=2)
+    shared = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_full, q_full, q_empty,
+              do_full, do_empty, ds_ready, ds_free, desc_dq, DK, DV, qk_scale, sm_scale, b, h, bh, start_n, N, first,
+              unmasked_from, last, CAUSAL, STAGES)
+    gl.warp_specialize([
+        (_ws_bwd_consumer, (0,) + shared),
+        (_ws_bwd_consumer, (1,) + shared),
+        (_ws_bwd_loader, (desc_q, desc_k, desc_v, desc_do, desc_lse, desc_delta, q_smem, k_smem, v_smem, do_smem,
+                          lse_smem, delta_smem, kv_full, q_full, q_empty, do_full, do_empty, b, h, bh, start_n, first,
+                          last, BLOCK_M, STAGES)),
+    ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])
+
+
+def _ws_row_descriptor(x):
+    """(1, WS_BWD_BLOCK_M) boxes of a (B*H, N) fp32 tensor. TMA needs the row stride in multiples of
+    16 bytes, so rows whose length is not a multiple of 4 are copied into a wider buffer first."""
+    rows, n = x.shape
+    if n % 4:
+        x = torch.zeros((rows, n + 4 - n % 4), dtype=x.dtype, device=x.device)[:, :n].copy_(x)
+    return TensorDescriptor(x, [rows, n], list(x.stride()), [1, WS_BWD_BLOCK_M], _WS_ROW_LAYOUT)
+
+
+def _ws_backward(q, k, v, do, lse, delta, causal, sm_scale):
+    """dQ, dK, dV from the warp-specialized kernel; dQ is summed in fp32 by TMA reductions."""
+    B, H, N, D = q.shape
+    if not tma_loadable(do):
+        do = do.contiguous()
+    dq = torch.zeros((B, H, N, D), dtype=torch.float32, device=q.device)
+    dk = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
+    dv = torch.empty_like(dk)
+    attn_bwd_ws_kernel[(triton.cdiv(N, WS_BWD_BLOCK_N), B * H)](
+        _ws_descriptor(q, WS_BWD_BLOCK_M), _ws_descriptor(k, WS_BWD_BLOCK_N // 2),
+        _ws_descriptor(v, WS_BWD_BLOCK_N // 2), _ws_descriptor(do, WS_BWD_BLOCK_M), _ws_row_descriptor(lse),
+        _ws_row_descriptor(delta), TensorDescriptor(dq, list(dq.shape), list(dq.stride()), [1, 1, WS_BWD_BLOCK_M, 32],
+                                                    _WS_DQ_LAYOUT),
+        dk, dv, sm_scale * LOG2E, sm_scale, H, N, CAUSAL=causal, BLOCK_M=WS_BWD_BLOCK_M, BLOCK_N=WS_BWD_BLOCK_N,
+        STAGES=WS_BWD_STAGES, CONSUMER_REGISTERS=WS_CONSUMER_REGISTERS, LOADER_REGISTERS=WS_LOADER_REGISTERS, num_warps=4)
+    return dq.to(q.dtype), dk, dv
+
+
+# %%
 # The launcher and autograd
 # -------------------------
-# ``attention`` runs the warp-specialized forward wherever it can (``warp_specialized=None``), and
-# the portable kernel everywhere else: on other GPUs, under the interpreter, for fp8 and for head
-# dims 16 and 32. ``warp_specialized=False`` asks for the portable kernel, ``True`` for the Gluon
-# one, with an error that says why when it cannot run. Both write the same output and the same
-# :math:`\mathrm{LSE}_2`, so the backward below serves both.
+# ``attention`` runs the warp-specialized kernels wherever they can run (``warp_specialized=None``),
+# and the portable ones everywhere else: on other GPUs, under the interpreter, for fp8 and for head
+# dims 16 and 32. ``warp_specialized=False`` asks for the portable kernels, ``True`` for the Gluon
+# ones, with an error that says why when they cannot run. Both forwards write the same output and
+# the same :math:`\mathrm{LSE}_2`, so either backward can follow either forward. The backward
+# follows the forward's choice, unless ``atomic_dq=False`` asks for the two-pass backward, whose
+# :math:`dQ` has the same bits on every run.
 
 if ON_GPU:
     FWD_SHAPES = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)]
@@ -732,6 +1012,7 @@ class _AttentionV2(torch.autograd.Function):
                        *v.stride(), *o.stride(), D=D, CAUSAL=causal, UPCAST_DOT=upcast, **_FIXED_FWD)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal, ctx.sm_scale, ctx.upcast, ctx.atomic_dq = causal, sm_scale, upcast, atomic_dq
+        ctx.warp_specialized = warp_specialized
         return o
 
     @staticmethod
@@ -741,38 +1022,43 @@ class _AttentionV2(torch.autograd.Function):
         delta = torch.empty_like(lse)
         attn_bwd_preprocess_kernel[(triton.cdiv(N, 64), B * H)](o, do, delta, H, N, *o.stride(), *do.stride(),
                                                                 D=D, BLOCK_M=64)
+        if ctx.warp_specialized and ctx.atomic_dq is not False:
+            return *_ws_backward(q, k, v, do, lse, delta, ctx.causal, ctx.sm_scale), None, None, None, None
         dk = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
         dv = torch.empty_like(dk)
         # With atomics, dQ is summed in fp32 (adding fp16 partial sums would lose bits at every add).
-        dq = torch.zeros((B, H, N, D), dtype=torch.float32, device=q.device) if ctx.atomic_dq else torch.empty_like(dk)
+        atomic = bool(ctx.atomic_dq)  # None: the two-pass backward, in the portable kernels
+        dq = torch.zeros((B, H, N, D), dtype=torch.float32, device=q.device) if atomic else torch.empty_like(dk)
         args = (ctx.sm_scale, ctx.sm_scale * LOG2E, H, N, triton.next_power_of_2(N), *q.stride(), *k.stride(), *v.stride(), *do.stride())
         meta = dict(D=D, CAUSAL=ctx.causal, UPCAST_DOT=ctx.upcast, **_FIXED_BWD)
         grid = lambda m: (triton.cdiv(N, m["BLOCK_N"]), B * H)  # noqa: E731
-        _dkdv[grid](q, k, v, do, dq, dk, dv, lse, delta, *args, ATOMIC_DQ=ctx.atomic_dq, **meta)
-        if ctx.atomic_dq:
+        _dkdv[grid](q, k, v, do, dq, dk, dv, lse, delta, *args, ATOMIC_DQ=atomic, **meta)
+        if atomic:
             dq = dq.to(q.dtype)
         else:
             _dq[grid](q, k, v, do, dq, lse, delta, *args, **meta)
         return dq, dk, dv, None, None, None, None
 
 
-def attention(q, k, v, causal, sm_scale, atomic_dq=False, warp_specialized=None):
+def attention(q, k, v, causal, sm_scale, atomic_dq=None, warp_specialized=None):
     """FlashAttention-2: softmax(q k^T * sm_scale) v over (batch, heads, sequence, head_dim) tensors.
 
-    ``atomic_dq=True`` computes dQ inside the dK, dV pass with atomic adds (FlashAttention-2 as
-    published): fewer matrix products, but dQ's rounding then varies from run to run.
-    ``warp_specialized`` picks the forward kernel: None runs the Gluon kernel for Hopper where it
-    can and the portable one elsewhere; True insists on the Gluon kernel, False on the portable one.
+    ``warp_specialized`` picks the kernels: None runs the Gluon kernels for Hopper where they can
+    run and the portable ones elsewhere; True insists on the Gluon kernels, False on the portable ones.
+    ``atomic_dq`` picks how dQ is summed. True: inside the dK, dV pass, with atomic additions
+    (the Gluon backward's TMA reductions, or FlashAttention-2's element atomics in the portable
+    backward): fewer matrix products, but dQ's rounding varies from run to run. False: in a second
+    pass, the same bits every run. None: atomically with the Gluon backward, in a second pass otherwise.
     """
     check_inputs(q, k, v, causal, sm_scale)
-    if not isinstance(atomic_dq, bool):
-        raise TypeError(f"atomic_dq must be True or False, got {atomic_dq!r}")
+    if atomic_dq is not None and not isinstance(atomic_dq, bool):
+        raise TypeError(f"atomic_dq must be None, True or False, got {atomic_dq!r}")
     if warp_specialized is not None and not isinstance(warp_specialized, bool):
         raise TypeError(f"warp_specialized must be None, True or False, got {warp_specialized!r}")
     if warp_specialized is not False:
         reason = warp_specialized_unsupported(q, k, v)
         if reason and warp_specialized:
-            raise ValueError(f"warp_specialized=True, but the warp-specialized forward cannot run here: {reason}")
+            raise ValueError(f"warp_specialized=True, but the warp-specialized kernels cannot run here: {reason}")
         warp_specialized = reason is None
     return _AttentionV2.apply(q, k, v, causal, float(sm_scale), atomic_dq, warp_specialized)
 
@@ -818,8 +1104,10 @@ if __name__ == "__main__":
             print(f"causal={causal!s:5}, atomic_dq={atomic_dq!s:5}, N={N}: " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
             assert max(errors.values()) < 1e-2, errors
     reason = warp_specialized_unsupported(q, k, v)
-    print("The forward above ran " + ("the warp-specialized Gluon kernel." if reason is None else
-                                      f"the portable kernel; the Gluon one did not apply: {reason}."))
+    print("The forward above ran " + ("the warp-specialized Gluon kernel; with atomic_dq=True the backward was the "
+                                      "Gluon one, with atomic_dq=False the two-pass one." if reason is None else
+                                      f"the portable kernel, and the backward the portable one; the Gluon kernels did "
+                                      f"not apply: {reason}."))
 
 # %%
 # fp8: the layout of V
@@ -976,8 +1264,8 @@ def providers_for(causal, D, attention_v1):
     return providers
 
 
-ATOMIC = "Triton v2, atomic dQ"  # a backward variant: its forward is the one above
-PORTABLE = "Triton v2, portable forward"  # measured where the warp-specialized forward is the default
+ATOMIC = "Triton v2, portable, atomic dQ"  # the portable backward with FlashAttention-2's element atomics
+PORTABLE = "Triton v2, portable"  # the portable forward and two-pass backward, where the Gluon kernels are the default
 
 
 def backward_ms(fn, q, k, v):
@@ -1022,11 +1310,11 @@ def run_benchmark(cases, sizes, attention_v1):
                 for name, fn in providers_for(causal, D, attention_v1).items():
                     timers[name, "fwd"] = functools.partial(bench_ms, functools.partial(fn, q, k, v))
                     timers[name, "bwd"] = functools.partial(backward_ms, fn, q, k, v)
-                atomic = functools.partial(attention, causal=causal, sm_scale=D ** -0.5, atomic_dq=True)
-                timers[ATOMIC, "bwd"] = functools.partial(backward_ms, atomic, q, k, v)
+                portable = functools.partial(attention, causal=causal, sm_scale=D ** -0.5, warp_specialized=False)
+                timers[ATOMIC, "bwd"] = functools.partial(backward_ms, functools.partial(portable, atomic_dq=True), q, k, v)
                 if warp_specialized_unsupported(q, k, v) is None:
-                    timers[PORTABLE, "fwd"] = functools.partial(bench_ms, functools.partial(
-                        attention, q, k, v, causal, D ** -0.5, warp_specialized=False))
+                    timers[PORTABLE, "fwd"] = functools.partial(bench_ms, functools.partial(portable, q, k, v))
+                    timers[PORTABLE, "bwd"] = functools.partial(backward_ms, portable, q, k, v)
                 if fp8_supported():
                     q8, k8 = (t.detach().to(torch.float8_e5m2) for t in (q, k))
                     v8 = keys_contiguous(v.detach(), torch.float8_e5m2)  # the layout, written by the cast
@@ -1071,11 +1359,12 @@ if __name__ == "__main__":
 # Reading the numbers
 # -------------------
 # Computed from the table above, in this run: v2 against the strongest PyTorch backend (cuDNN where
-# it runs), and against v1. Where the warp-specialized forward ran (a Hopper GPU), the same forward
-# against the portable kernel. For the backward, the two ways of finishing :math:`dQ` against each
-# other, and the rate at which the two-pass backward really multiplies matrices: it executes seven
-# products where the FLOP count above credits five. Last, on a GPU, how far the repeated timings
-# of one provider spread: the yardstick for which differences above mean anything.
+# it runs), and against v1. Where the warp-specialized kernels ran (a Hopper GPU), each of them
+# against its portable counterpart. For the portable backward, the two ways of finishing
+# :math:`dQ` against each other, and the rate at which the two-pass backward really multiplies
+# matrices: it executes seven products where the FLOP count above credits five. Last, on a GPU,
+# how far the repeated timings of one provider spread: the yardstick for which differences above
+# mean anything.
 
 if __name__ == "__main__":
     ours = "Triton v2 (this tutorial)"
@@ -1088,16 +1377,17 @@ if __name__ == "__main__":
             v1 = part[ours] / part["Triton v1 (lesson 03)"]
             line += f"; {v1.min():.1f}x to {v1.max():.1f}x v1"
         print(line)
-        if PORTABLE in part and mode == "fwd":
+        if PORTABLE in part:
             ws = part[ours] / part[PORTABLE]
-            print(f"    the warp-specialized forward is {ws.min():.2f}x to {ws.max():.2f}x the portable one "
-                  f"(faster at {(ws > 1).sum()} of {len(ws)} sizes)")
+            print(f"    the warp-specialized {'forward' if mode == 'fwd' else 'backward'} is {ws.min():.2f}x to "
+                  f"{ws.max():.2f}x the portable one (faster at {(ws > 1).sum()} of {len(ws)} sizes)")
         if mode == "bwd":
-            atomic = part[ATOMIC] / part[ours]
-            executed = 7 / 5 * part[ours].max()
-            print(f"    atomic dQ is {atomic.min():.2f}x to {atomic.max():.2f}x the two-pass backward "
-                  f"(faster at {(atomic > 1).sum()} of {len(atomic)} sizes); the two-pass backward multiplies matrices "
-                  f"at up to {executed:.3g} TFLOP/s, {executed / peak:.0%} of the matmul rate")
+            two_pass = part[PORTABLE] if PORTABLE in part else part[ours]
+            atomic = part[ATOMIC] / two_pass
+            executed = 7 / 5 * two_pass.max()
+            print(f"    in the portable kernels, atomic dQ is {atomic.min():.2f}x to {atomic.max():.2f}x the two-pass "
+                  f"backward (faster at {(atomic > 1).sum()} of {len(atomic)} sizes); the two-pass backward multiplies "
+                  f"matrices at up to {executed:.3g} TFLOP/s, {executed / peak:.0%} of the matmul rate")
     if "Triton v2 fp8" in table:
         fp8 = (table["Triton v2 fp8"] / table[ours]).dropna()
         long_rows = fp8[fp8.index.get_level_values("N") >= 4096]
@@ -1112,26 +1402,26 @@ if __name__ == "__main__":
         print("These are interpreter timings: they measure NumPy on the CPU, not GPU kernels.")
     save_results("04-fused-attention-v2", [{
         "name": f"attention v2 {mode}", "unit": "TFLOP/s", "ceiling_name": "fp16 matmul rate", "ceiling": peak,
-        "ours": [ours] + ([ATOMIC] if mode == "bwd" else [PORTABLE] if PORTABLE in table else []), "peers": peers,
+        "ours": [ours] + ([PORTABLE] if PORTABLE in table else []) + ([ATOMIC] if mode == "bwd" else []), "peers": peers,
         "rows": [r for r in results.drop(columns="spread").to_dict("records") if r["mode"] == mode]}
         for mode in ("fwd", "bwd")])
 
 # %%
-# Where the rest of the gap to cuDNN lies
-# ---------------------------------------
-# On a Hopper GPU the forward above is the warp-specialized one. The backward is still the portable
-# Triton program, and at :math:`D = 128` cuDNN stays ahead of it (the lines above give the ratios on
-# the machine that built this page). Before changing the backward, measure where its time goes.
-# The CUDA profiler below times each of its three kernels over a few backward passes at
-# :math:`D = 128` and the longest sequence of the sweep. It counts the matrix products that each
-# kernel executes, so it can give each kernel's own multiply rate.
+# Where the backward's time goes
+# ------------------------------
+# Why did the portable two-pass backward need replacing on Hopper, when its kernels are tuned? A
+# profile answers that better than a guess. The CUDA profiler below times each kernel of the
+# two-pass backward over a few passes at :math:`D = 128` and the longest sequence of the sweep. It
+# counts the matrix products that each kernel executes, so it can give each kernel's own multiply
+# rate. On a Hopper GPU it then profiles the warp-specialized backward the same way.
 
-BACKWARD_PRODUCTS = {"attn_bwd_preprocess_kernel": 0, "attn_bwd_dkdv_kernel": 4, "attn_bwd_dq_kernel": 3}
+BACKWARD_PRODUCTS = {"attn_bwd_preprocess_kernel": 0, "attn_bwd_dkdv_kernel": 4, "attn_bwd_dq_kernel": 3,
+                     "attn_bwd_ws_kernel": 5}
 
 
-def backward_kernel_ms(q, k, v, causal, sm_scale, passes=3):
+def backward_kernel_ms(q, k, v, causal, sm_scale, atomic_dq, passes=3):
     """{kernel name: GPU milliseconds per backward pass}, measured with the CUDA profiler."""
-    o = attention(q, k, v, causal, sm_scale)
+    o = attention(q, k, v, causal, sm_scale, atomic_dq)
     do = torch.randn_like(o)
     o.backward(do, retain_graph=True)  # autotuning happens here, outside the profile
     torch.cuda.synchronize()
@@ -1147,7 +1437,7 @@ if __name__ == "__main__" and ON_GPU:
     N = sizes[-1]
     for causal in (False, True):
         q, k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16, requires_grad=True) for _ in range(3))
-        times = backward_kernel_ms(q, k, v, causal, D ** -0.5)
+        times = backward_kernel_ms(q, k, v, causal, D ** -0.5, atomic_dq=False)
         total = sum(times.values())
         per_product = 2 * B * H * N * N * D * (0.5 if causal else 1.0)  # about half the blocks when causal
         print(f"backward, {'causal' if causal else 'non-causal'}, D={D}, N={N}: {total:.2f} ms of GPU time")
@@ -1167,6 +1457,11 @@ if __name__ == "__main__" and ON_GPU:
                 "the gap is the two extra products, not the speed of each" if min(rates.values()) >= cudnn
                 else "cuDNN also multiplies faster than at least one of them")
         print(line)
+        if warp_specialized_unsupported(q, k, v) is None:
+            ws = backward_kernel_ms(q, k, v, causal, D ** -0.5, atomic_dq=None)
+            rate = 5 * per_product / ws["attn_bwd_ws_kernel"] * 1e-9
+            print(f"    the warp-specialized backward: {sum(ws.values()):.2f} ms of GPU time, attn_bwd_ws_kernel "
+                  f"{ws['attn_bwd_ws_kernel']:.2f} ms, 5 products at {rate:.0f} TFLOP/s, {rate / peak:.0%} of the matmul rate")
         del q, k, v
 elif __name__ == "__main__":
     print("The profile of the backward's kernels needs a GPU: under the interpreter there are no GPU kernels to time.")
@@ -1174,10 +1469,11 @@ elif __name__ == "__main__":
 # %%
 # The last line of each case puts the numbers side by side. Two products in seven are work that
 # cuDNN does not do: its backward computes :math:`dQ` with :math:`dS` at hand, in the same program
-# as :math:`dK` and :math:`dV`, and adds it up across programs in fp32, as this lesson's
-# ``atomic_dq=True`` variant does. If each of the portable kernels multiplies at least as fast as
-# cuDNN's backward (as on the H100 this lesson was written on), a faster schedule for them cannot
-# close the gap by much, while cutting the two products could.
+# as :math:`dK` and :math:`dV`, and adds it up across programs in fp32. If each of the portable
+# kernels multiplies at least as fast as cuDNN's backward (as on the H100 this lesson was written
+# on), a faster schedule for them cannot close the gap by much, while cutting the two products
+# could. That is what the warp-specialized backward does, and the line under each case gives its
+# own multiply rate.
 #
 # The speed the kernels do reach comes from a budget. A :math:`dK, dV` program with 128 keys keeps
 # two 128 x 128 fp32 accumulators: 128 KiB. Spread over 8 warps (256 threads) that is 128 of the
@@ -1197,52 +1493,40 @@ elif __name__ == "__main__":
 # The table below shows what each kernel chose at :math:`D = 128` on the GPU that built this page
 # (``BLOCK_M x BLOCK_N``; the :math:`dQ` kernel owns ``BLOCK_N`` queries and walks ``BLOCK_M`` keys).
 #
-# That is overlap left to chance, so the obvious next step was to make it deliberate, as the
-# forward does. While this lesson was written, a warp-specialized :math:`dK, dV` kernel was built in
-# Gluon and measured on an H100 (Triton 3.6): a loader warp streaming 64-query tiles of :math:`Q`
-# and :math:`dO`, two consumer warp groups of 64 keys each with 240 registers, :math:`S^T` and
-# :math:`dP^T` issued asynchronously, and :math:`P^T` fed from registers into the product that
-# makes :math:`dV`. Against the Triton :math:`dK, dV` kernel in the same run, at :math:`D = 128`
-# and :math:`N` from 4096 to 16384, it ran at 1.04x to 1.21x its speed without masking and 0.91x
-# to 1.11x with causal masking (the best of two and three pipeline stages), and at :math:`D = 64`
-# at 0.86x to 0.95x. For the whole backward that is a change of about 10% at most, in either
-# direction: the size of the GPU's run-to-run noise, since the Triton kernel itself measured 15.6 ms
-# in one run and 17.2 ms in another at the same size. So it is not in this lesson. On that H100 the
-# profile above says why: the Triton kernels already multiplied faster than cuDNN's backward, so a
-# better schedule for them had little left to win. Cutting the two extra products without
-# losing that rate is what FlashAttention-3's backward does, with a design larger than this
-# lesson's kernels: :math:`dS` written to shared memory by both consumer warp groups, :math:`dQ`
-# multiplied from there, and the fp32 sums added into global memory by TMA reduce operations that
-# a separate warp issues, so that no consumer waits for an atomic.
+# The warp-specialized backward took several steps to find, and the dead ends teach as much as the
+# result. The first step was to make that overlap deliberate without cutting products: a Gluon
+# :math:`dK, dV` kernel with a loader warp and two consumer warp groups (the backward kernel above,
+# without its :math:`dQ` part). Against the Triton :math:`dK, dV` kernel in the same run on an H100
+# (:math:`D = 128`, :math:`N` from 4096 to 16384) it ran at 1.04x to 1.21x without masking and 0.91x
+# to 1.11x with causal masking, and at 0.86x to 0.95x at :math:`D = 64`: for the whole backward, a
+# change within the GPU's run-to-run noise, as the profile predicts. The products had to go.
 #
-# That design was built for this lesson too, in Gluon on Triton 3.6, on top of the warp-specialized
-# :math:`dK, dV` kernel described above. It matched float64 in every case tried (:math:`D` = 64
-# and 128, causal and not, fp16 at :math:`N` = 1, 77, 300 and 1000, bf16 at 300), and it was
-# slower than the two-pass backward. What it lacked is the last part of the design: Gluon in
-# Triton 3.6 has no TMA reduce operation (Triton 3.9 has one, ``tma.async_atomic_add``), so every
-# fp32 addition into :math:`dQ` was one atomic per element. Three ways of issuing them were
-# measured on an H100, against the two-pass backward in the same run, at :math:`N` from 4096 to
-# 16384:
+# Five-product versions followed, all correct against float64 and all measured against the
+# two-pass backward in the same run on an H100 (Triton 3.6, best of two timings, :math:`N` from
+# 4096 to 16384):
 #
-# * each warp group adds the :math:`dQ` share of its own 64 keys: 0.58x to 0.75x;
-# * both groups write :math:`dS` to shared memory and each multiplies half of :math:`dQ`'s columns
-#   over all 128 keys, so each element gets one addition per key block: 0.74x to 0.87x at
-#   :math:`D = 128`, 0.83x to 1.02x at :math:`D = 64`;
-# * the same, with two more warps that take :math:`dQ` from shared memory and issue the atomics in
-#   place of the consumers: 0.64x to 0.73x at :math:`D = 128`, most likely because two warps
-#   issuing 8,192 single additions per query block could not keep pace with the consumers.
+# * the portable ``atomic_dq=True`` kernel with Triton's TMA reductions
+#   (``desc.atomic_add(offsets, tile)``) in place of ``tl.atomic_add``: about 2% faster than with
+#   element atomics at :math:`D = 128`, still 0.91x to 1.02x the two-pass speed. Its
+#   :math:`dK, dV` program carries a fifth product and its fp32 result, and at :math:`D = 128` the
+#   autotuner has to give it a larger, slower shape than the four-product program gets;
+# * the Gluon design above with one ``gl.atomic_add`` per element of :math:`dQ`: 0.58x to 0.75x
+#   when each group added the share of its own 64 keys, 0.74x to 0.87x with :math:`dS` shared so
+#   that each element gets one addition per program, 0.64x to 0.73x with two extra warps issuing
+#   the atomics in place of the consumers;
+# * the same design with TMA reductions: 0.94x without masking and 0.84x to 0.89x with it at
+#   :math:`D = 128`;
+# * plus the swizzled 32-column staging tile and :math:`dK` issued last: 0.97x to 1.08x without
+#   masking, 0.78x to 0.86x with it;
+# * plus :math:`\mathrm{LSE}_2` and :math:`\Delta` through TMA and :math:`P^T` kept in 16 bits:
+#   1.19x to 1.26x without masking, 0.95x to 0.99x with it;
+# * plus one loop for the masked and the unmasked blocks: 1.19x to 1.23x without masking and 1.16x
+#   to 1.27x with it at :math:`D = 128`; 1.13x to 1.26x and 1.02x to 1.15x at :math:`D = 64`. In
+#   that run it reached 0.92x to 0.98x of cuDNN's speed in all twelve cases.
 #
-# So this lesson keeps the two recomputed products: at the rate these kernels multiply, they cost
-# less than that many atomics.
-#
-# Plain Triton 3.6 does have TMA reduce operations: ``desc.atomic_add(offsets, tile)`` on a tensor
-# descriptor adds a whole tile with one bulk copy instead of one atomic per element. Tried
-# in place of ``tl.atomic_add`` in the ``atomic_dq=True`` variant on an H100 (Triton 3.6), it made
-# that variant about 2% faster at :math:`D = 128` and 7% to 16% faster at :math:`D = 64`, and it
-# still ran at 0.91x to 1.02x the speed of the two-pass backward. So it is not in this lesson. The
-# atomics are not the main thing holding the five-product variant back: its :math:`dK, dV` program
-# carries a fifth product and its fp32 result, and at :math:`D = 128` the autotuner gives it a
-# different, slower shape (64 queries by 128 keys, 8 warps) than the four-product program gets.
+# The last steps are about registers, not about the schedule: the spills that ``ptxas -v``
+# reported fell from 412 and 1004 bytes per thread (without and with masking) to 116 and 144. The
+# tables above and the profile lines give the numbers of the build that made this page.
 #
 # Before the Gluon kernel, the portable forward was pushed as far as Triton's own tools would take
 # it (Triton 3.6, on an H100 or H200, each variant against the lesson's forward in the same run).
