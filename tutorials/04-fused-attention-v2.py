@@ -566,6 +566,15 @@ def _ws_consumer(HALF: gl.constexpr, q_smem, k_smem, v_smem, q_full, k_full, k_e
 
 
 @gluon.jit
+def _ws_barrier_ring(STAGES: gl.constexpr, ARRIVALS: gl.constexpr):
+    """STAGES mbarriers in shared memory, one per buffer of a ring, each completing after ARRIVALS arrivals."""
+    ring = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ring.index(s), count=ARRIVALS)
+    return ring
+
+
+@gluon.jit
 def attn_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, qk_scale, H, N, sob, soh, son,
                        D: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr, LOADER_REGISTERS: gl.constexpr):
@@ -585,16 +594,11 @@ def attn_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, qk_scale, H, N, sob, soh,
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, D], desc_k.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, D], desc_v.layout)
     q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_full, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_full.index(i), count=1)
-        mbarrier.init(v_full.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # one arrival from each consumer
-        mbarrier.init(v_empty.index(i), count=2)
+    k_full = _ws_barrier_ring(STAGES, 1)
+    v_full = _ws_barrier_ring(STAGES, 1)
+    k_empty = _ws_barrier_ring(STAGES, 2)  # one arrival from each consumer
+    v_empty = _ws_barrier_ring(STAGES, 2)
     # The argument tuples are written out in the call: a tuple stored in a variable first would
     # turn its compile-time constants into run-time values.
     gl.warp_specialize([
@@ -866,18 +870,13 @@ def attn_bwd_ws_kernel(desc_q, desc_k, desc_v, desc_do, desc_lse, desc_delta, de
     kv_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_full, count=1)
     mbarrier.init(ds_ready, count=2)  # one arrival from each consumer group
     mbarrier.init(ds_free, count=2)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(q_full.index(s), count=1)
-        mbarrier.init(do_full.index(s), count=1)
-        mbarrier.init(q_empty.index(s), count=2)
-        mbarrier.init(do_empty.index(s), count=2)
+    q_full = _ws_barrier_ring(STAGES, 1)
+    do_full = _ws_barrier_ring(STAGES, 1)
+    q_empty = _ws_barrier_ring(STAGES, 2)
+    do_empty = _ws_barrier_ring(STAGES, 2)
     shared = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_full, q_full, q_empty,
               do_full, do_empty, ds_ready, ds_free, desc_dq, DK, DV, qk_scale, sm_scale, b, h, bh, start_n, N, first,
               unmasked_from, last, CAUSAL, STAGES)
