@@ -4,12 +4,11 @@ from functools import partial
 
 import pytest
 import torch
+from lessons import load
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
 
-from conftest import load_tutorial
-
-V1, V2 = load_tutorial("03-fused-attention-v1"), load_tutorial("04-fused-attention-v2")
+V1, V2 = load("04-fused-attention-v1"), load("05-fused-attention-v2")
 # v2's backward strategies: dQ in its own pass, or added atomically by the dK, dV programs.
 VERSIONS = {"v1": V1.attention, "v2": V2.attention, "v2-atomic-dq": partial(V2.attention, atomic_dq=True)}
 DEVICE = V2.DEVICE  # the lessons run where Triton does: the GPU if there is one

@@ -6,17 +6,13 @@ import functools
 import os
 import shutil
 import subprocess
-import sys
 import threading
 import urllib.request
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
+import publish
 import pytest
-
 from conftest import ROOT, sphinx
-
-sys.path.insert(0, str(ROOT / "tools"))
-import publish  # noqa: E402
 
 SCREENSHOTS = ROOT / "build" / "screenshots"
 PAGE = "tutorials/01-fused-softmax.html"

@@ -7,18 +7,18 @@ import sys
 import time
 
 import pytest
+from conftest import ROOT, TUTORIALS
+from lessons import load, stems
 
-from conftest import ROOT, TUTORIALS, load_tutorial
-
-LESSONS = sorted(p.stem for p in TUTORIALS.glob("[0-9][0-9]-*.py"))
+LESSONS = stems()
 SHARED_HELPERS = ["describe_platform", "bench_ms", "save_results", "reference_attention", "matmul_tflops", "check_input",
                   "copy_bandwidth_gbs"]
 
 
 @pytest.mark.parametrize("helper", SHARED_HELPERS)
 def test_copies_of_shared_helpers_are_identical(helper):
-    sources = {stem: inspect.getsource(getattr(load_tutorial(stem), helper))
-               for stem in LESSONS if hasattr(load_tutorial(stem), helper)}
+    sources = {stem: inspect.getsource(getattr(load(stem), helper))
+               for stem in LESSONS if hasattr(load(stem), helper)}
     assert len(sources) >= 2, f"{helper} is no longer shared: remove it from this list"
     first = next(iter(sources.values()))
     assert all(src == first for src in sources.values()), f"the copies of {helper} differ: {sorted(sources)}"
@@ -40,7 +40,7 @@ def test_importing_a_lesson_runs_nothing_heavy(lesson):
 
 @pytest.mark.parametrize("lesson", LESSONS)
 def test_lesson_opens_with_a_title_and_what_you_will_learn(lesson):
-    doc = load_tutorial(lesson).__doc__
+    doc = load(lesson).__doc__
     lines = doc.strip().splitlines()
     assert set(lines[1]) == {"="} and len(lines[1]) >= len(lines[0]), "title underlined with ="
     assert "You will learn" in doc

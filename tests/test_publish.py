@@ -2,13 +2,10 @@
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
+import publish
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-import publish  # noqa: E402
 
 
 def fake_build(root, label, marker):

@@ -1,21 +1,16 @@
 """The site as a reader gets it: a full CPU build with no warnings, every tutorial page complete, every
 notebook valid and runnable, and a failing tutorial failing the build by name."""
 
-import json
 import re
 import shutil
-import sys
 from html.parser import HTMLParser
-from pathlib import Path
 
+import perf_summary
 import pytest
-
 from conftest import ROOT, TUTORIALS, sphinx
+from lessons import stems
 
-sys.path.insert(0, str(ROOT / "docs" / "_ext"))
-import perf_summary  # noqa: E402
-
-LESSONS = sorted(p.stem for p in TUTORIALS.glob("[0-9][0-9]-*.py"))
+LESSONS = stems()
 
 class Links(HTMLParser):
     def __init__(self):

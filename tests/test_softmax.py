@@ -3,11 +3,10 @@ and bad input."""
 
 import pytest
 import torch
+from lessons import load
 
-from conftest import load_tutorial
-
-LESSON_01 = load_tutorial("01-fused-softmax")
-LESSON_02 = load_tutorial("02-long-softmax")
+LESSON_01 = load("01-fused-softmax")
+LESSON_02 = load("02-long-softmax")
 KERNELS = {
     "fused": LESSON_01.softmax,
     "three-pass": lambda x: LESSON_02.three_pass_softmax(x, block_n=64),

@@ -2,7 +2,7 @@
 
     python tools/tune.py softmax        # tile height, warps, pipelining depth, persistent or not
     python tools/tune.py split-row      # chunk and warps of lesson 02's row-sharing kernel
-    python tools/tune.py attention      # forward and backward configurations of lesson 04
+    python tools/tune.py attention      # forward and backward configurations of lesson 05
 
 Prints, per problem, the fastest settings and their speed next to the lesson's current choice.
 Uses the lessons' own kernels (imported, not copied); needs a CUDA GPU.
@@ -10,13 +10,10 @@ Uses the lessons' own kernels (imported, not copied); needs a CUDA GPU.
 
 import itertools
 import sys
-from pathlib import Path
 
 import torch
 import triton
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from conftest import load_tutorial  # noqa: E402
+from lessons import load
 
 
 def bench(fn):
@@ -24,7 +21,7 @@ def bench(fn):
 
 
 def tune_softmax():
-    lesson = load_tutorial("01-fused-softmax")
+    lesson = load("01-fused-softmax")
     M = 4096
     for dtype in (torch.float32, torch.bfloat16):
         for N in (256, 512, 1024, 2048, 4096, 8192, 12288, 16384):
@@ -60,7 +57,7 @@ def tune_softmax():
 
 
 def tune_split_row():
-    lesson = load_tutorial("02-long-softmax")
+    lesson = load("02-long-softmax")
     M = 4096
     for dtype in (torch.float32, torch.bfloat16):
         for N in (65536, 131072, 262144):
@@ -82,7 +79,7 @@ def tune_split_row():
 
 
 def tune_attention():
-    lesson = load_tutorial("04-fused-attention-v2")
+    lesson = load("05-fused-attention-v2")
     fwd_space = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2), (128, 32, 8, 4),
                  (128, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 128, 16, 2), (256, 64, 16, 3)]
     bwd_space = [(32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4), (64, 128, 8, 2), (64, 64, 4, 2),

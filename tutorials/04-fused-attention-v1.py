@@ -501,7 +501,7 @@ if __name__ == "__main__":
               f"matmul rate at best and {ratio.min():.2f}x to {ratio.max():.2f}x the fastest SDPA backend.")
     if not ON_GPU:
         print("These are interpreter timings: they measure NumPy on the CPU, not GPU kernels.")
-    save_results("03-fused-attention-v1", [{
+    save_results("04-fused-attention-v1", [{
         "name": f"attention v1, B={B}, H={H}, D={D}", "unit": "TFLOP/s", "ceiling_name": "fp16 matmul rate",
         "ceiling": peak, "ours": [ours], "peers": peers, "rows": results.to_dict("records")}])
 

@@ -460,7 +460,12 @@ def attn_bwd_dq_kernel(
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
@@ -1231,9 +1236,9 @@ def save_results(tutorial, benchmarks):
 def load_v1():
     """The previous lesson's attention, if its file is next to this one (it is in the site build)."""
     here = Path(__file__).parent if "__file__" in globals() else Path.cwd()
-    path = here / "03-fused-attention-v1.py"
+    path = here / "04-fused-attention-v1.py"
     if not path.exists():
-        print("03-fused-attention-v1.py is not next to this file: the v1 comparison is skipped.")
+        print("04-fused-attention-v1.py is not next to this file: the v1 comparison is skipped.")
         return None
     spec = importlib.util.spec_from_file_location("fused_attention_v1", path)
     module = importlib.util.module_from_spec(spec)
@@ -1259,7 +1264,7 @@ def providers_for(causal, D, attention_v1):
     except ImportError:
         pass
     if attention_v1 is not None:
-        providers["Triton v1 (lesson 03)"] = lambda q, k, v: attention_v1(q, k, v, causal, scale)
+        providers["Triton v1 (lesson 04)"] = lambda q, k, v: attention_v1(q, k, v, causal, scale)
     return providers
 
 
@@ -1372,8 +1377,8 @@ if __name__ == "__main__":
         ratio = part[ours] / part[peers].max(axis=1)
         line = (f"D={D:3d} {'causal    ' if causal else 'non-causal'} {mode}: v2 is {ratio.min():.2f}x to "
                 f"{ratio.max():.2f}x the fastest SDPA backend, at up to {part[ours].max() / peak:.0%} of the matmul rate")
-        if "Triton v1 (lesson 03)" in part:
-            v1 = part[ours] / part["Triton v1 (lesson 03)"]
+        if "Triton v1 (lesson 04)" in part:
+            v1 = part[ours] / part["Triton v1 (lesson 04)"]
             line += f"; {v1.min():.1f}x to {v1.max():.1f}x v1"
         print(line)
         if PORTABLE in part:
@@ -1399,7 +1404,7 @@ if __name__ == "__main__":
               + ", ".join(f"N={n}: {row['median']:.1%} ({row['max']:.0%})" for n, row in spread.iterrows()))
     if not ON_GPU:
         print("These are interpreter timings: they measure NumPy on the CPU, not GPU kernels.")
-    save_results("04-fused-attention-v2", [{
+    save_results("05-fused-attention-v2", [{
         "name": f"attention v2 {mode}", "unit": "TFLOP/s", "ceiling_name": "fp16 matmul rate", "ceiling": peak,
         "ours": [ours] + ([PORTABLE] if PORTABLE in table else []) + ([ATOMIC] if mode == "bwd" else []), "peers": peers,
         "rows": [r for r in results.drop(columns="spread").to_dict("records") if r["mode"] == mode]}
