@@ -1,5 +1,7 @@
-"""Both attention lessons, forward and backward, against float64 autograd on fresh random inputs."""
+"""The attention lessons (04 to 07), forward and backward, against float64 autograd on fresh random inputs,
+and the checks of their exercises."""
 
+import math
 from functools import partial
 
 import pytest
@@ -9,15 +11,17 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
 
 V1, V2 = load("04-fused-attention-v1"), load("05-fused-attention-v2")
+HOPPER_FWD, HOPPER = load("06-hopper-forward-gluon"), load("07-hopper-backward-gluon")
 # v2's backward strategies: dQ in its own pass, or added atomically by the dK, dV programs.
 VERSIONS = {"v1": V1.attention, "v2": V2.attention, "v2-atomic-dq": partial(V2.attention, atomic_dq=True)}
 DEVICE = V2.DEVICE  # the lessons run where Triton does: the GPU if there is one
 ON_HOPPER = V2.ON_GPU and torch.cuda.get_device_capability()[0] == 9
 if ON_HOPPER:
-    # On Hopper "v2" runs the warp-specialized kernels where they apply: test every portable path too.
-    VERSIONS["v2-portable"] = partial(V2.attention, warp_specialized=False)
-    VERSIONS["v2-portable-atomic-dq"] = partial(V2.attention, warp_specialized=False, atomic_dq=True)
-    VERSIONS["v2-two-pass-backward"] = partial(V2.attention, atomic_dq=False)
+    # Lessons 06 and 07 run their Gluon kernels here: the Gluon forward with the two-pass backward,
+    # the Gluon forward and backward, and the Gluon forward with the two-pass backward asked for.
+    VERSIONS["hopper-forward"] = HOPPER_FWD.attention
+    VERSIONS["hopper"] = HOPPER.attention
+    VERSIONS["hopper-two-pass-backward"] = partial(HOPPER.attention, atomic_dq=False)
 # Max error over the largest reference value (at least 1: with one key, dQ and dK are exactly 0).
 TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
@@ -38,7 +42,8 @@ def check(attention, q, k, v, causal, rng):
     ref = reference(q64, k64, v64, causal, sm_scale)
     ref.backward(do.double())
     assert out.shape == q.shape and out.dtype == q.dtype
-    for name, got, want in [("o", out, ref), ("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad), ("dv", v.grad, v64.grad)]:
+    for name, got, want in [("o", out, ref), ("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad),
+                            ("dv", v.grad, v64.grad)]:
         assert torch.isfinite(got).all(), name
         error = ((got.double() - want).abs().max() / want.abs().max().clamp(min=1.0)).item()
         assert error < TOLERANCE[q.dtype], f"{name}: relative error {error:.2e}"
@@ -98,11 +103,12 @@ def test_v2_non_causal_gradient_differs_from_causal(rng):
     assert not torch.allclose(grads[0][1].float(), grads[1][1].float(), atol=1e-2)
 
 
-def test_two_pass_backward_gives_the_same_bits_every_run(rng):
+@pytest.mark.parametrize("attention", [V2.attention, partial(HOPPER.attention, atomic_dq=False)], ids=["v2", "hopper"])
+def test_two_pass_backward_gives_the_same_bits_every_run(attention, rng):
     """atomic_dq=False promises a reproducible dQ: nothing in it depends on the order of additions."""
     q, k, v = (randn((1, 2, 200, 64), torch.float16, rng).requires_grad_() for _ in range(3))
     do = randn((1, 2, 200, 64), torch.float16, rng)
-    runs = [torch.autograd.grad(V2.attention(q, k, v, True, 0.125, atomic_dq=False), (q, k, v), do) for _ in range(2)]
+    runs = [torch.autograd.grad(attention(q, k, v, True, 0.125), (q, k, v), do) for _ in range(2)]
     for first, second in zip(*runs):
         assert torch.equal(first, second)
 
@@ -144,20 +150,30 @@ def test_bad_flags_are_refused(version):
         VERSIONS[version](*good(), True, float("nan"))
 
 
-def test_bad_atomic_flag_is_refused():
+@pytest.mark.parametrize("attention", [V2.attention, HOPPER.attention], ids=["v2", "hopper"])
+def test_bad_atomic_flag_is_refused(attention):
     with pytest.raises(TypeError, match="atomic_dq"):
-        V2.attention(*good(), True, 0.125, atomic_dq="yes")
+        attention(*good(), True, 0.125, atomic_dq="yes")
 
 
-def test_bad_warp_specialized_flag_is_refused():
+@pytest.mark.parametrize("attention", [HOPPER_FWD.attention, HOPPER.attention], ids=["hopper-forward", "hopper"])
+def test_bad_warp_specialized_flag_is_refused(attention):
     with pytest.raises(TypeError, match="warp_specialized"):
-        V2.attention(*good(), True, 0.125, warp_specialized=1)
+        attention(*good(), True, 0.125, warp_specialized=1)
+
+
+@pytest.mark.parametrize("attention", [HOPPER_FWD.attention, HOPPER.attention], ids=["hopper-forward", "hopper"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_hopper_lessons_fall_back_to_the_portable_kernels(attention, causal, rng):
+    """Off Hopper (and for what TMA cannot load), lessons 06 and 07 must still compute attention."""
+    q, k, v = (randn((1, 2, 70, 32), torch.float16, rng) for _ in range(3))  # head dim 32: never Gluon
+    check(attention, q, k, v, causal, rng)
 
 
 # The warp-specialized forward (Gluon, Hopper only). On other machines attention() must refuse to
 # be forced onto it, and say why; on Hopper it must match float64 wherever it claims to apply.
 needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="the warp-specialized forward needs a Hopper GPU")
-WARP_SPECIALIZED = partial(V2.attention, warp_specialized=True)
+WARP_SPECIALIZED = partial(HOPPER.attention, warp_specialized=True)
 
 
 def test_warp_specialized_refused_off_hopper():
@@ -196,11 +212,11 @@ def test_warp_specialized_refuses_what_tma_cannot_load(rng):
     v = randn((1, 2, 64, 128), torch.float16, rng)[..., ::2]  # every other column
     with pytest.raises(ValueError, match="TMA"):
         WARP_SPECIALIZED(q, k, v, False, 0.125)
-    check(V2.attention, q, k, v, False, rng)  # the default falls back to the portable kernel
+    check(HOPPER.attention, q, k, v, False, rng)  # the default falls back to the portable kernel
     k = randn((1, 1, 64, 64), torch.float16, rng).expand(1, 2, 64, 64)  # one key head shared: stride 0
     with pytest.raises(ValueError, match="positive multiples"):
         WARP_SPECIALIZED(q, k, v.contiguous(), False, 0.125)
-    check(V2.attention, q, k, v.contiguous(), False, rng)
+    check(HOPPER.attention, q, k, v.contiguous(), False, rng)
 
 
 @needs_hopper
@@ -209,7 +225,7 @@ def test_warp_specialized_backward_takes_any_gradient_layout(causal, rng):
     """dO comes from whatever follows attention: one that TMA cannot load is copied, not misread."""
     q, k, v = (randn((2, 3, 150, 128), torch.float16, rng).requires_grad_() for _ in range(3))
     do = randn((2, 3, 150, 256), torch.float16, rng)[..., ::2]  # every other column: not TMA-loadable
-    assert not V2.tma_loadable(do)
+    assert not HOPPER_FWD.tma_loadable(do)
     got = torch.autograd.grad(WARP_SPECIALIZED(q, k, v, causal, 0.125), (q, k, v), do)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     want = torch.autograd.grad(reference(q64, k64, v64, causal, 0.125), (q64, k64, v64), do.double())
@@ -222,20 +238,20 @@ def test_warp_specialized_backward_takes_any_gradient_layout(causal, rng):
 def test_rows_of_lse_padded_for_tma(n, rng):
     """TMA wants row strides in multiples of 16 bytes: rows of any length are described by a padded copy."""
     x = torch.randn(3, n, generator=rng)
-    desc = V2._ws_row_descriptor(x)
+    desc = HOPPER._ws_row_descriptor(x)
     assert list(desc.shape) == [3, n] and desc.strides[0] % 4 == 0
     assert torch.equal(desc.base[:, :n], x)
 
 
 def test_fp8_refused_without_fp8_tensor_cores():
-    if V2.fp8_supported():
+    if V1.fp8_supported():
         pytest.skip("this GPU has fp8 tensor cores")
     qkv = [torch.randn(1, 2, 8, 32, device=DEVICE).to(torch.float8_e5m2) for _ in range(3)]
     with pytest.raises(TypeError, match="fp8 tensor cores"):
         V2.attention(*qkv, True, 0.125)
 
 
-needs_fp8 = pytest.mark.skipif(not V2.fp8_supported(), reason="fp8 attention needs a GPU with fp8 tensor cores")
+needs_fp8 = pytest.mark.skipif(not V1.fp8_supported(), reason="fp8 attention needs a GPU with fp8 tensor cores")
 # P is rounded to e5m2 (2 mantissa bits) before the second product: up to 4.5e-2 seen on an H200,
 # while a wrong layout or stride of V gives errors of order 1.
 FP8_TOLERANCE = 0.1
@@ -281,7 +297,7 @@ def test_fp8_refuses_head_dim_16(rng):
 
 
 def test_benchmark_rounds_alternate_and_drop_a_failing_provider(monkeypatch, capsys):
-    monkeypatch.setattr(V2, "ROUNDS", 3)
+    monkeypatch.setattr(V1, "ROUNDS", 3)
     calls = []
 
     def timer(name, ms=1.0):
@@ -292,8 +308,109 @@ def test_benchmark_rounds_alternate_and_drop_a_failing_provider(monkeypatch, cap
             return ms + len(calls)
         return run
 
-    times = V2.measure_in_rounds({("a", "fwd"): timer("a"), ("broken", "fwd"): timer("broken"),
+    times = V1.measure_in_rounds({("a", "fwd"): timer("a"), ("broken", "fwd"): timer("broken"),
                                   ("broken", "bwd"): timer("broken"), ("b", "bwd"): timer("b")}, "N=7")
     assert calls == ["a", "broken", "b", "b", "a", "a", "b"]  # rounds: first to last, back, again; "broken" once
     assert times == {("a", "fwd"): [2.0, 6.0, 7.0], ("b", "bwd"): [4.0, 5.0, 8.0]}
     assert "broken skipped at N=7: no kernel for this case" in capsys.readouterr().out
+
+
+# The exercises' checks: each must accept a correct answer and reject a known wrong one.
+
+
+def test_exercise_one_row_attention(capsys):
+    def right(q, k, v, scale):
+        m, l, a = -math.inf, 0.0, torch.zeros(v.shape[1], dtype=torch.float64)
+        for k_j, v_j in zip(k.double(), v.double()):
+            s = float(q.double() @ k_j) * scale
+            m_new = max(m, s)
+            l = l * math.exp(m - m_new) + math.exp(s - m_new)
+            a = a * math.exp(m - m_new) + math.exp(s - m_new) * v_j
+            m = m_new
+        return a / l
+
+    V1.check_one_row_attention(right)
+    assert "right" in capsys.readouterr().out
+    with pytest.raises(AssertionError):
+        V1.check_one_row_attention(lambda q, k, v, scale: right(q, k, v, scale) * 1.001)  # a slightly wrong sum
+
+
+def test_exercise_merge():
+    def right(first, second):
+        (m1, l1, a1), (m2, l2, a2) = first, second
+        m = max(m1, m2)
+        return m, l1 * math.exp(m1 - m) + l2 * math.exp(m2 - m), a1 * math.exp(m1 - m) + a2 * math.exp(m2 - m)
+
+    V1.check_merge(right)
+    with pytest.raises(AssertionError):  # forgets to rescale to the common maximum
+        V1.check_merge(lambda first, second: (max(first[0], second[0]), first[1] + second[1], first[2] + second[2]))
+
+
+def test_exercise_causal_block_mask():
+    def right(start_m, start_n, block_m, block_n, n):
+        rows = start_m + torch.arange(block_m)[:, None]
+        keys = start_n + torch.arange(block_n)[None, :]
+        return (keys <= rows) & (rows < n) & (keys < n)
+
+    V2.check_causal_block_mask(right)
+    with pytest.raises(AssertionError, match="should be"):  # forgets the ragged end
+        V2.check_causal_block_mask(lambda sm, sn, bm, bn, n: (sn + torch.arange(bn)[None, :])
+                                   <= (sm + torch.arange(bm)[:, None]))
+
+
+def test_exercise_one_row_backward():
+    def right(q, K, V, do, scale):
+        p = torch.softmax(K @ q * scale, dim=0)
+        dV = torch.outer(p, do)
+        dp = V @ do
+        ds = p * (dp - (p * dp).sum())
+        return scale * ds @ K, scale * torch.outer(ds, q), dV
+
+    V2.check_one_row_backward(right)
+    with pytest.raises(AssertionError, match="dq"):  # forgets Delta
+        V2.check_one_row_backward(lambda q, K, V, do, scale: (
+            scale * (torch.softmax(K @ q * scale, 0) * (V @ do)) @ K, *right(q, K, V, do, scale)[1:]))
+
+
+def test_exercise_padded_attention():
+    def right(q, k, v, lengths, sm_scale):
+        keep = torch.arange(k.shape[2], device=k.device)[None, :] < lengths[:, None]  # (B, N)
+        s = (q.float() @ k.float().transpose(-1, -2)) * sm_scale
+        s = s.masked_fill(~keep[:, None, None, :], -math.inf)
+        return (torch.softmax(s, dim=-1) @ v.float()).to(q.dtype)
+
+    V2.check_padded_attention(right)
+    with pytest.raises(AssertionError, match="key length"):  # ignores the lengths
+        V2.check_padded_attention(lambda q, k, v, lengths, sm_scale: V2.attention(q, k, v, False, sm_scale))
+
+
+def test_exercise_loader_wait():
+    HOPPER_FWD.check_loader_wait(lambda j, stages: (j % stages, ((j // stages) & 1) ^ 1))
+    with pytest.raises(AssertionError, match="parity"):  # waits for the consumer's parity, not the loader's
+        HOPPER_FWD.check_loader_wait(lambda j, stages: (j % stages, (j // stages) & 1))
+
+
+def test_exercise_tma_ok():
+    def right(t):
+        return (t.stride(-1) == 1 and all(s > 0 and s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+                and t.data_ptr() % 16 == 0)
+
+    HOPPER_FWD.check_tma_ok(right)
+    with pytest.raises(AssertionError, match="cannot"):  # forgets alignment and stride 0
+        HOPPER_FWD.check_tma_ok(lambda t: t.stride(-1) == 1)
+
+
+def test_exercise_query_block_range():
+    def right(start_n, block_n, block_m, n):
+        last = -(-n // block_m)
+        return start_n // block_m, min(last, -(-(start_n + block_n - 1) // block_m)), last
+
+    HOPPER.check_query_block_range(right)
+    with pytest.raises(AssertionError, match="expected"):  # masks one block too few
+        HOPPER.check_query_block_range(lambda sn, bn, bm, n: (sn // bm, sn // bm + bn // bm - 1, -(-n // bm)))
+
+
+def test_exercise_products():
+    HOPPER.check_products(lambda atomic: 5 if atomic else 7)
+    with pytest.raises(AssertionError, match="products"):
+        HOPPER.check_products(lambda atomic: 5)

@@ -15,7 +15,13 @@ You will learn:
   the output rescaled at every step, and the statistics saved for the backward;
 * the FlashAttention-1 backward: a preprocessing step, one program per (batch, head) walking the
   key blocks, and :math:`dQ` accumulated in fp32 through memory;
-* what the 2022 code needed that today's Triton no longer has, and what replaces it.
+* why v1 divides :math:`dO` by :math:`\\ell` before its backward, derived;
+* why its backward is slow, measured: how many programs an SM needs to hide its latency;
+* what the 2022 code needed that today's Triton no longer has, and what replaces it;
+* how to benchmark attention honestly: FLOPs, forward and backward timed apart, every SDPA backend
+  beside it, repeated timings, the matrix-multiply rate as the ceiling. The attention lessons
+  after this one reuse this lesson's benchmark and checks, so they load this file when it sits
+  next to them.
 """
 
 # %%
@@ -24,6 +30,7 @@ You will learn:
 # A CUDA GPU when there is one, otherwise the Triton interpreter on the CPU, switched on before the
 # first ``@triton.jit``.
 
+import functools
 import math
 import os
 
@@ -72,7 +79,8 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     q1, k1, v1 = torch.randn(16), torch.randn(50, 16), torch.randn(50, 16)
     expected = torch.softmax(k1.double() @ q1.double() / 4, dim=0) @ v1.double()
-    print("one query row, one key at a time, max error:", (one_row_attention(q1, k1, v1, 1 / 4) - expected).abs().max().item())
+    error = (one_row_attention(q1, k1, v1, 1 / 4) - expected).abs().max().item()
+    print(f"one query row, one key at a time, max error: {error:.1e}")
 
 # %%
 # From rows to blocks
@@ -83,10 +91,12 @@ if __name__ == "__main__":
 # :math:`e^{S - m} V_j` is a second matrix multiplication. Nothing larger than a tile ever exists.
 #
 # FlashAttention-1 keeps the output *normalized* at every step: after each key block, the
-# accumulator holds :math:`o = a / \ell` for the keys seen so far. Its update therefore rescales by
-# :math:`\ell e^{m - m'} / \ell'` and scales the new probabilities by :math:`1 / \ell'`, a division
-# per element per step that FlashAttention-2 later removed. At the end it saves :math:`\ell` and
-# :math:`m` per row for the backward pass.
+# accumulator holds :math:`o = a / \ell` for the keys seen so far. Its update therefore computes
+# two factors per row, :math:`\ell e^{m - m'} / \ell'` for what is there and
+# :math:`e^{m_{ij} - m'} / \ell'` for the new block (two divisions per row per step), and
+# multiplies the whole accumulator and the whole tile of probabilities by them: two extra
+# multiplications per element per step, which FlashAttention-2 removed by normalizing once at the
+# end. At the end v1 saves :math:`\ell` and :math:`m` per row for the backward pass.
 #
 # The kernel handles any sequence length: key columns past :math:`N` get a score of
 # :math:`-\infty` (weight 0), query rows past :math:`N` are computed on zeros and never stored.
@@ -141,30 +151,36 @@ def attn_fwd_v1_kernel(
     row_ok = rows < N
     tl.store(L + bh * N + rows, l_i, mask=row_ok)
     tl.store(Mx + bh * N + rows, m_i, mask=row_ok)
-    tl.store(O + b * sob + h * soh + rows[:, None] * son + d[None, :] * sod, acc.to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(O + b * sob + h * soh + rows[:, None] * son + d[None, :] * sod, acc.to(O.dtype.element_ty),
+             mask=row_ok[:, None])
 
 
 # %%
-# The backward pass, as in 2022
-# -----------------------------
-# With :math:`P = \mathrm{softmax}(S)` and the upstream gradient :math:`dO`, the gradients are
+# The backward pass, derived
+# --------------------------
+# For one (batch, head), with the scale folded into the scores, the forward is
+# :math:`S = s\,QK^T`, :math:`P = \mathrm{softmax}_\text{rows}(S)`, :math:`O = PV`. Walking back
+# from :math:`dO`:
 #
-# .. math::
-#
-#    dV = P^T dO, \quad dP = dO\, V^T, \quad
-#    dS = P \circ (dP - \Delta), \ \Delta_i = \textstyle\sum_d O_{id}\, dO_{id}, \quad
-#    dQ = dS\, K \cdot s, \quad dK = dS^T Q \cdot s.
+# * :math:`O = PV` gives :math:`dV = P^T dO` and :math:`dP = dO\,V^T`.
+# * For one row, softmax's Jacobian is :math:`\partial p_j/\partial s_k = p_j(\delta_{jk} - p_k)`, so
+#   :math:`dS = P \circ (dP - \Delta)` with :math:`\Delta_i = \sum_j P_{ij}\,dP_{ij}`, and since
+#   :math:`dP_{ij} = dO_i \cdot v_j`, :math:`\Delta_i = dO_i \cdot \sum_j P_{ij} v_j = dO_i \cdot O_i`:
+#   one dot product of two stored rows.
+# * :math:`S = s\,QK^T` gives :math:`dQ = s\,dS\,K` and :math:`dK = s\,dS^T Q`.
 #
 # Nothing of :math:`P` was saved, only :math:`m` and :math:`\ell`, so the backward recomputes each
-# tile :math:`e^{S - m}`. The 2022 kernel first runs a *preprocess* that divides :math:`dO` by
-# :math:`\ell` (so that :math:`e^{S-m}` needs no division) and computes :math:`\Delta`. Then one
+# tile. :math:`e^{S - m}` is cheap; dividing it by :math:`\ell` row by row at every tile is not. The
+# 2022 kernel moves the division out of the loop. Row :math:`i` of :math:`e^{S-m}` is
+# :math:`\ell_i P_i`; if row :math:`i` of :math:`dO` is divided by :math:`\ell_i` first, then
+# :math:`dV = \sum_i (\ell_i P_i)^T (dO_i / \ell_i)` is unchanged, :math:`dP` and :math:`\Delta`
+# (both linear in :math:`dO`) come out divided by :math:`\ell_i`, and
+# :math:`(\ell_i P_i) \circ (dP_i - \Delta_i)/\ell_i` is the same :math:`dS`. So a *preprocess*
+# divides :math:`dO` by :math:`\ell` and computes :math:`\Delta` from it, once per row. Then one
 # program per (batch, head) walks the key blocks: for each, it loops over the query blocks,
 # accumulates :math:`dK` and :math:`dV` in registers, and adds its share of :math:`dQ` to an fp32
-# buffer in memory, read and written again for every key block.
-#
-# That last part is why FlashAttention-2 changed the backward: one program per (batch, head) leaves
-# most of a large GPU idle when :math:`B \cdot H` is smaller than the number of SMs, and
-# :math:`dQ` makes a round trip through memory for every key block.
+# buffer in memory, read and written again for every key block. How well that uses a GPU is
+# measured after the benchmark below.
 
 
 @triton.jit
@@ -176,11 +192,13 @@ def attn_bwd_preprocess_v1_kernel(O, DO, L, DO_SCALED, DELTA, H, N,
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, D)
     ok = rows < N
-    o = tl.load(O + b * sob + h * soh + rows[:, None] * son + d[None, :] * sod, mask=ok[:, None], other=0.0).to(tl.float32)
-    do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdn + d[None, :] * sdd, mask=ok[:, None], other=0.0).to(tl.float32)
+    o = tl.load(O + b * sob + h * soh + rows[:, None] * son + d[None, :] * sod, mask=ok[:, None], other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdn + d[None, :] * sdd, mask=ok[:, None], other=0.0)
+    o, do = o.to(tl.float32), do.to(tl.float32)
     l = tl.load(L + bh * N + rows, mask=ok, other=1.0)
     do = do / l[:, None]
-    tl.store(DO_SCALED + bh * N * D + rows[:, None] * D + d[None, :], do.to(DO_SCALED.dtype.element_ty), mask=ok[:, None])
+    tl.store(DO_SCALED + bh * N * D + rows[:, None] * D + d[None, :], do.to(DO_SCALED.dtype.element_ty),
+             mask=ok[:, None])
     tl.store(DELTA + bh * N + rows, tl.sum(o * do, axis=1), mask=ok)
 
 
@@ -238,8 +256,9 @@ def attn_bwd_v1_kernel(
 # The 2022 tutorial no longer runs. Its kernels called ``tl.dot(q, k, trans_b=True)``; today one
 # writes ``tl.dot(q, tl.trans(k))``. It kept a scratch buffer (``TMP``) to store and reload a
 # value, a workaround for a compiler bug long since fixed. Its 2-D blocks of pointers were built by
-# hand, as here; later versions of the tutorial moved to ``tl.make_block_ptr``, which current
-# Triton has removed, so this port keeps plain pointer arithmetic. Its test used ``triton.testing.assert_almost_equal``, now gone
+# hand, as here. Later versions of the tutorial moved to ``tl.make_block_ptr``, which Triton 3.6
+# still has but Triton 3.9 refuses with ``NotImplementedError``; this port keeps plain pointer
+# arithmetic, which both run. Its test used ``triton.testing.assert_almost_equal``, now gone
 # (``torch.testing.assert_close`` replaces it), and its benchmark passed ``percentiles=`` to
 # ``do_bench``, which now takes ``quantiles=`` or ``return_mode=``. Its backward also required the
 # sequence length to be a multiple of the block size; the masks above remove that limit.
@@ -252,34 +271,54 @@ def attn_bwd_v1_kernel(
 # The autograd wrapper
 # --------------------
 # ``attention(q, k, v, causal, sm_scale)`` takes tensors of shape (batch, heads, sequence, head
-# dim) with any strides, checks them, and returns a tensor that PyTorch can differentiate.
+# dim) with any strides, checks them, and returns a tensor that PyTorch can differentiate. The
+# checks are written once, here, for every attention lesson of the site: the later lessons call
+# this ``check_inputs``.
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (16, 32, 64, 128)
 
 
-def check_inputs(q, k, v, sm_scale):
-    """Raise a clear error for anything the kernels cannot handle."""
+def fp8_supported():
+    """fp8 matrix multiplies need an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper)."""
+    return ON_GPU and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def check_inputs(q, k, v, causal, sm_scale, fp8=False):
+    """Raise a clear error for anything the kernels cannot handle; fp8: float8_e5m2 is accepted, forward only."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dimensions (batch, heads, sequence, head_dim), got shape {tuple(t.shape)}")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+            raise ValueError(f"{name} must have 4 dimensions (batch, heads, sequence, head_dim), "
+                             f"got shape {tuple(t.shape)}")
         if t.device.type != DEVICE.type:
             raise ValueError(f"{name} is on device '{t.device}', but Triton runs these kernels on '{DEVICE.type}' here")
-    if not (q.shape == k.shape == v.shape):
-        raise ValueError(f"q, k and v must have the same shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if fp8 and q.dtype == torch.float8_e5m2:
+        if not fp8_supported():
+            raise TypeError("float8_e5m2 attention needs a GPU with fp8 tensor cores (compute capability 8.9+)")
+        if any(t.requires_grad for t in (q, k, v)):
+            raise TypeError("float8_e5m2 attention is forward-only: its inputs must not require grad")
+        if q.shape[-1] < 32:
+            raise ValueError(f"float8_e5m2 attention needs head dim 32 or more (an 8-bit tensor-core product sums "
+                             f"at least 32 values at a time), got {q.shape[-1]}")
+    elif q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q, k and v must be float16 or bfloat16{' (or float8_e5m2 forward on fp8 GPUs)' * fp8}, "
+                        f"got {q.dtype}")
+    if not (q.shape == k.shape == v.shape):
+        raise ValueError(f"q, k and v must have the same shape, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on the same device, got {q.device}, {k.device}, {v.device}")
     if q.shape[-1] not in HEAD_DIMS:
         raise ValueError(f"head dim must be one of {HEAD_DIMS}, got {q.shape[-1]}")
-    if q.shape[2] == 0 or q.shape[0] * q.shape[1] == 0:
+    if q.numel() == 0:
         raise ValueError(f"q, k and v must not be empty, got shape {tuple(q.shape)}")
-    if not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale):
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale):
         raise TypeError(f"sm_scale must be a finite number, got {sm_scale!r}")
 
 
@@ -321,17 +360,18 @@ class _AttentionV1(torch.autograd.Function):
 
 def attention(q, k, v, causal, sm_scale):
     """FlashAttention-1: softmax(q k^T * sm_scale) v over (batch, heads, sequence, head_dim) tensors."""
-    check_inputs(q, k, v, sm_scale)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
+    check_inputs(q, k, v, causal, sm_scale)
     return _AttentionV1.apply(q, k, v, causal, float(sm_scale))
 
 
 # %%
 # Correctness
 # -----------
-# Forward and backward against float64 PyTorch on a sequence length that is not a multiple of the
-# block size, causal and not.
+# Forward and backward against float64 PyTorch on fresh random inputs, at a sequence length that
+# is not a multiple of the block size, causal and not. The check fails on NaN or infinity
+# anywhere: ``error < tolerance`` is false for NaN, so it is written that way round, never as
+# ``max(errors) < tolerance`` (Python's ``max`` skips a NaN that is not first). The later attention
+# lessons run their kernels through this same check.
 
 
 def reference_attention(q, k, v, causal, sm_scale):
@@ -343,22 +383,34 @@ def reference_attention(q, k, v, causal, sm_scale):
     return torch.softmax(s, dim=-1) @ v
 
 
+def check_against_float64(attention_fn, q, k, v, causal, sm_scale, label, tolerance=1e-2):
+    """Errors of o, dq, dk, dv relative to the largest float64 reference value (at least 1), on a
+    fresh random dO; raises AssertionError naming label and the tensor when one is off or not finite."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = attention_fn(q, k, v, causal, sm_scale)
+    do = torch.randn_like(out)
+    out.backward(do)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(q64, k64, v64, causal, sm_scale)
+    ref.backward(do.double())
+    errors = {}
+    for name, got, want in (("o", out, ref), ("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad),
+                            ("dv", v.grad, v64.grad)):
+        errors[name] = ((got.double() - want).abs().max() / want.abs().max().clamp(min=1.0)).item()
+        if not (torch.isfinite(got).all() and errors[name] < tolerance):
+            raise AssertionError(f"{label}: {name} is off, error {errors[name]:.2e} relative to the largest value "
+                                 f"(tolerance {tolerance:.0e}; non-finite values: "
+                                 f"{(~torch.isfinite(got)).sum().item()})")
+    return errors
+
+
 if __name__ == "__main__":
     torch.manual_seed(0)
-    B, H, N, D = 1, 2, 77, 32
     for causal in (False, True):
-        q, k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16, requires_grad=True) for _ in range(3))
-        do = torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16)
-        out = attention(q, k, v, causal, D ** -0.5)
-        out.backward(do)
-        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-        ref = reference_attention(q64, k64, v64, causal, D ** -0.5)
-        ref.backward(do.double())
-        errors = {name: ((a.double() - b).abs().max() / b.abs().max()).item()
-                  for name, a, b in [("o", out, ref), ("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad), ("dv", v.grad, v64.grad)]}
-        print(f"causal={causal}: relative max error " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
-        assert max(errors.values()) < 1e-2, errors
-
+        q, k, v = (torch.randn(1, 2, 77, 32, device=DEVICE, dtype=torch.float16) for _ in range(3))
+        errors = check_against_float64(attention, q, k, v, causal, 32 ** -0.5,
+                                       f"04-fused-attention-v1, causal={causal}")
+        print(f"causal={causal}, N=77: relative max error " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
 # %%
 # Benchmark
 # ---------
@@ -366,7 +418,8 @@ if __name__ == "__main__":
 # each backend of PyTorch's ``scaled_dot_product_attention`` that runs here. The forward does
 # :math:`4BHN^2D` floating-point operations (two matrix products of :math:`2BHN^2D` each), half that
 # when causal; the backward does 2.5 times the forward (five matrix products instead of two).
-# The ceiling is the device's fp16 matrix-multiply rate, measured in this run.
+# The ceiling is the device's fp16 matrix-multiply rate, measured in this run. The code below is
+# the harness that every attention lesson of this site uses.
 
 import platform  # noqa: E402
 import statistics  # noqa: E402
@@ -419,45 +472,142 @@ def save_results(tutorial, benchmarks):
         json.dump(record, f, indent=1)
 
 
+def sdpa_providers(causal, scale, backends):
+    """{name: fn(q, k, v)} for each named SDPA backend, as users call it."""
+    providers = {}
+    for name in backends:
+        backend = {"SDPA cuDNN": SDPBackend.CUDNN_ATTENTION, "SDPA flash": SDPBackend.FLASH_ATTENTION,
+                   "SDPA mem-efficient": SDPBackend.EFFICIENT_ATTENTION, "SDPA math": SDPBackend.MATH}[name]
+
+        def sdpa(q, k, v, backend=backend):
+            with sdpa_kernel(backend):
+                return scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+        providers[name] = sdpa
+    return providers
+
+
 # The math backend materializes the N x N scores (68 GB at N = 16384 here): a peer only on the CPU.
-SDPA_BACKENDS = {"SDPA cuDNN": SDPBackend.CUDNN_ATTENTION, "SDPA flash": SDPBackend.FLASH_ATTENTION,
-                 "SDPA mem-efficient": SDPBackend.EFFICIENT_ATTENTION}
+PEERS = ("SDPA cuDNN", "SDPA flash", "SDPA mem-efficient") if ON_GPU else ("SDPA math",)
+OURS = "Triton v1 (this lesson)"
 
 
-def time_fwd_bwd(fn, q, k, v):
-    """(forward ms, backward ms) of o = fn(q, k, v)."""
-    fwd = bench_ms(lambda: fn(q, k, v))
+def backward_ms(fn, q, k, v):
+    """Time of the backward pass alone: the forward runs once, outside the timing."""
     o = fn(q, k, v)
     do = torch.randn_like(o)
-    bwd = bench_ms(lambda: o.backward(do, retain_graph=True))
-    return fwd, bwd
+    return bench_ms(lambda: o.backward(do, retain_graph=True))
 
 
-def run_benchmark(B, H, D, sizes, causal_modes, providers):
+# A GPU's speed drifts while it runs (its clocks follow its temperature and power draw): one kernel
+# timed several times in a row in the same process can differ by several percent. A single timing
+# per provider would let that drift decide which of two close providers looks faster. So on a GPU
+# every provider is timed ROUNDS times, the rounds in alternating order (first to last, then last
+# to first), and each keeps its fastest timing. Every provider gets the same treatment, and the
+# page prints how far the timings spread.
+ROUNDS = 2 if ON_GPU else 1
+
+
+def measure_in_rounds(timers, label):
+    """{(provider, mode): [ms, ...]}, each timer run ROUNDS times; a provider that fails here is left out."""
+    times, failed = {}, set()
+    for r in range(ROUNDS):
+        for key in (list(timers) if r % 2 == 0 else list(timers)[::-1]):
+            if key[0] in failed:
+                continue
+            try:
+                times.setdefault(key, []).append(timers[key]())
+            except RuntimeError as error:  # a backend that does not support this case here
+                print(f"{key[0]} skipped at {label}: {str(error).splitlines()[0][:100]}")
+                failed.add(key[0])
+    return {key: ms for key, ms in times.items() if key[0] not in failed}
+
+
+def run_benchmark(cases, sizes, providers, modes, extra_timers=None):
+    """Rows of TFLOP/s: every provider of providers(causal, D) in each mode, at every case and size.
+
+    extra_timers(q, k, v, causal, D) may add {(provider, mode): timer} for variants that need more
+    than fn(q, k, v)."""
     rows = []
-    for causal in causal_modes:
-        for N in sizes:
-            q, k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16, requires_grad=True) for _ in range(3))
-            flops = 4 * B * H * N * N * D * (0.5 if causal else 1.0)
-            for name, fn in providers(causal, D).items():
-                try:
-                    fwd, bwd = time_fwd_bwd(fn, q, k, v)
-                except RuntimeError as error:  # a backend that does not support this case here
-                    print(f"{name} skipped at N={N}, causal={causal}: {str(error).splitlines()[0][:100]}")
-                    continue
-                for mode, ms, f in (("fwd", fwd, flops), ("bwd", bwd, 2.5 * flops)):
-                    rows.append(dict(causal=causal, N=N, mode=mode, provider=name, value=f / ms * 1e-9))
+    for B, H, D in cases:
+        for causal in (False, True):
+            for N in sizes:
+                q, k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16, requires_grad=True)
+                           for _ in range(3))
+                flops = 4 * B * H * N * N * D * (0.5 if causal else 1.0)
+                timers = {}
+                for name, fn in providers(causal, D).items():
+                    if "fwd" in modes:
+                        timers[name, "fwd"] = functools.partial(bench_ms, functools.partial(fn, q, k, v))
+                    if "bwd" in modes:
+                        timers[name, "bwd"] = functools.partial(backward_ms, fn, q, k, v)
+                if extra_timers is not None:
+                    timers.update(extra_timers(q, k, v, causal, D))
+                for (name, mode), ms in measure_in_rounds(timers, f"D={D}, N={N}, causal={causal}").items():
+                    work = flops * (2.5 if mode == "bwd" else 1.0)
+                    rows.append(dict(D=D, causal=causal, N=N, mode=mode, provider=name, value=work / min(ms) * 1e-9,
+                                     spread=max(ms) / min(ms) - 1))
+                del q, k, v
     return rows
 
 
+# One colour and marker per provider on every attention page.
+STYLE = {"Triton v2 (this lesson)": ("#d62728", "o"), "Triton v2 (lesson 05)": ("#d62728", "o"),
+         "SDPA cuDNN": ("#1f77b4", "s"), "SDPA flash": ("#2ca02c", "^"), "SDPA mem-efficient": ("#bcbd22", "v"),
+         "SDPA math": ("#7f7f7f", "v"), "Triton v1 (this lesson)": ("#9467bd", "D"),
+         "Triton v1 (lesson 04)": ("#9467bd", "D"), "Triton v2, atomic dQ": ("#ff7f0e", "P"),
+         "Triton v2 fp8": ("#8c564b", "X"), "Triton, warp-specialized (Gluon)": ("#e377c2", "*")}
+
+
+def plot_mode(table, mode, peak, title):
+    """One figure for one mode: a panel per (head dim, masking), every provider, and the ceiling."""
+    import matplotlib.pyplot as plt
+
+    part = table.xs(mode, level="mode")
+    keys = list(dict.fromkeys(part.index.droplevel("N")))
+    rows = len(keys) // 2
+    fig, axes = plt.subplots(rows, 2, figsize=(8, 3.3 * rows + 0.6), sharex=True, squeeze=False)
+    for ax, (D, causal) in zip(axes.flat, keys):
+        panel = part.xs((D, causal), level=["D", "causal"]).dropna(axis=1, how="all")
+        for name in panel.columns:
+            color, marker = STYLE.get(name, ("#17becf", "."))
+            ax.plot(panel.index, panel[name], color=color, marker=marker, label=name)
+        ax.axhline(peak, color="black", linestyle="--", zorder=0, label="fp16 matmul rate (ceiling)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(panel.index), [str(n) for n in panel.index], fontsize=9)
+        ax.minorticks_off()
+        ax.tick_params(labelsize=9)
+        ax.set_title(f"D = {D}, {'causal' if causal else 'non-causal'}", fontsize=10)
+        ax.set_ylim(0, peak * 1.08)
+    for ax in axes[-1]:
+        ax.set_xlabel("N (sequence length)", fontsize=9)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("TFLOP/s", fontsize=9)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=9, frameon=False)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout(rect=(0, (0.07 + 0.04 * (len(labels) // 2)) * 2 / (rows + 1), 1, 1))
+    return fig
+
+
+def results_table(results):
+    """The benchmark's rows as a wide table: one column per provider, in TFLOP/s."""
+    table = results.pivot_table(index=["D", "causal", "mode", "N"], columns="provider", values="value", sort=False)
+    table.columns = [f"{c} (TFLOP/s)" for c in table.columns]
+    return table.round(0)
+
+
+def spread_summary(results):
+    """How far the repeated timings of one provider spread, by N: the yardstick for small differences."""
+    spread = results.groupby("N")["spread"].agg(["median", "max"])
+    return (f"Each number is the fastest of {ROUNDS} timings taken in alternating order; the timings of one "
+            "provider in one case spread by (median, largest) "
+            + ", ".join(f"N={n}: {row['median']:.1%}, {row['max']:.0%}" for n, row in spread.iterrows())
+            + ". The largest spreads come from the shortest runs, where a few microseconds of host noise weigh most.")
+
+
 def v1_providers(causal, D):
-    providers = {"Triton v1 (this tutorial)": lambda q, k, v: attention(q, k, v, causal, D ** -0.5)}
-    backends = SDPA_BACKENDS if ON_GPU else {"SDPA math": SDPBackend.MATH}
-    for name, backend in backends.items():
-        def sdpa(q, k, v, backend=backend):
-            with sdpa_kernel(backend):
-                return scaled_dot_product_attention(q, k, v, is_causal=causal, scale=D ** -0.5)
-        providers[name] = sdpa
+    providers = {OURS: lambda q, k, v: attention(q, k, v, causal, D ** -0.5)}
+    providers.update(sdpa_providers(causal, D ** -0.5, PEERS))
     return providers
 
 
@@ -467,25 +617,21 @@ if __name__ == "__main__":
 
     print(describe_platform())
     if ON_GPU:
-        B, H, D, sizes = 4, 32, 64, [1024, 2048, 4096, 8192, 16384]
+        cases, sizes = [(4, 32, 64)], [1024, 2048, 4096, 8192, 16384]
     else:
-        B, H, D, sizes = 1, 2, 64, [64, 128]
+        cases, sizes = [(1, 2, 64)], [64, 128]
     peak = matmul_tflops()
-    print(f"matrix-multiply rate, measured now: {peak:.0f} TFLOP/s")
-    results = pd.DataFrame(run_benchmark(B, H, D, sizes, (False, True), v1_providers))
-    table = results.pivot_table(index=["causal", "mode", "N"], columns="provider", values="value", sort=False)
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2), squeeze=False)
-    for ax, ((causal, mode), part) in zip(axes[0], table.groupby(level=["causal", "mode"], sort=False)):
-        part.droplevel(["causal", "mode"]).plot(ax=ax, marker="o", logx=True)
-        ax.axhline(peak, color="black", linestyle="--", label="matmul rate")
-        ax.set(title=f"{mode}, {'causal' if causal else 'non-causal'}, D = {D}", xlabel="N (sequence length)",
-               ylabel="TFLOP/s", ylim=(0, None))
-        ax.set_xticks(sizes, [str(n) for n in sizes], minor=False)
-        ax.minorticks_off()
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+    print(f"fp16 matrix-multiply rate, measured now: {peak:.3g} TFLOP/s")
+    results = pd.DataFrame(run_benchmark(cases, sizes, v1_providers, ("fwd", "bwd")))
+    table = results.pivot_table(index=["D", "causal", "mode", "N"], columns="provider", values="value", sort=False)
+    plot_mode(table, "fwd", peak, "Forward pass, D = 64")
+    plot_mode(table, "bwd", peak, "Backward pass, D = 64")
     plt.show()
-    table.round(1)
+
+# %%
+# The table, in TFLOP/s:
+
+results_table(results) if __name__ == "__main__" else None
 
 # %%
 # Reading the numbers
@@ -493,22 +639,93 @@ if __name__ == "__main__":
 # Computed from the table above, in this run:
 
 if __name__ == "__main__":
-    ours = "Triton v1 (this tutorial)"
-    peers = [c for c in table.columns if c != ours and c != "SDPA math"] or ["SDPA math"]
-    for (causal, mode), part in table.groupby(level=["causal", "mode"], sort=False):
-        ratio = part[ours] / part[peers].max(axis=1)
-        print(f"{mode} {'causal' if causal else 'non-causal'}: v1 reaches {part[ours].max() / peak:.0%} of the "
+    peers = [c for c in PEERS if c in table]
+    for (_, causal, mode), part in table.groupby(level=["D", "causal", "mode"], sort=False):
+        ratio = part[OURS] / part[peers].max(axis=1)
+        print(f"{mode} {'causal' if causal else 'non-causal'}: v1 reaches {part[OURS].max() / peak:.0%} of the "
               f"matmul rate at best and {ratio.min():.2f}x to {ratio.max():.2f}x the fastest SDPA backend.")
-    if not ON_GPU:
+    if ROUNDS > 1:
+        print(spread_summary(results))
+    else:
         print("These are interpreter timings: they measure NumPy on the CPU, not GPU kernels.")
     save_results("04-fused-attention-v1", [{
-        "name": f"attention v1, B={B}, H={H}, D={D}", "unit": "TFLOP/s", "ceiling_name": "fp16 matmul rate",
-        "ceiling": peak, "ours": [ours], "peers": peers, "rows": results.to_dict("records")}])
+        "name": "attention v1, B=4, H=32, D=64", "unit": "TFLOP/s", "ceiling_name": "fp16 matmul rate",
+        "ceiling": peak, "ours": [OURS], "peers": peers, "rows": results.drop(columns="spread").to_dict("records")}])
 
 # %%
-# On the H100 this site is built on, v1's forward keeps pace with the older SDPA backends but
-# trails cuDNN, and its backward trails every backend but the memory-efficient one by a wide
-# margin (the lines above give this build's ratios). The reasons are the ones given earlier:
-# :math:`B \cdot H = 128` programs for the whole backward, each walking every key block in turn
-# with :math:`dQ` going through memory, and a division per element per step in the forward. The
-# next lesson fixes each of these.
+# Why the backward is slow: how many programs an SM needs
+# -------------------------------------------------------
+# At the benchmark's :math:`B \cdot H = 128` the backward launches 128 programs, nearly one per
+# SM on a GPU with 132 of them, so it does not leave the GPU idle for lack of programs. What it
+# leaves idle is each SM: one program of 4 warps walks its key blocks one after another, and while
+# it waits for a load or for the tensor cores, no other program on that SM can use them. The
+# experiment below keeps :math:`N` fixed and launches one, two, four and eight programs per SM
+# (:math:`B \cdot H` a multiple of the SM count), and compares the rate. If the rate grows with
+# programs per SM, the kernel is latency-bound, and the fix is more, smaller independent pieces of
+# work per SM: which is what FlashAttention-2's backward, one program per *key block*, provides.
+
+if __name__ == "__main__" and ON_GPU:
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    N, D = 2048, 64
+    rates = {}
+    for per_sm in (1, 2, 4, 8):
+        q, k, v = (torch.randn(1, per_sm * sms, N, D, device=DEVICE, dtype=torch.float16, requires_grad=True)
+                   for _ in range(3))
+        ms = backward_ms(lambda q, k, v: attention(q, k, v, False, D ** -0.5), q, k, v)
+        rates[per_sm] = 2.5 * 4 * per_sm * sms * N * N * D / ms * 1e-9
+        print(f"{per_sm} program(s) per SM ({per_sm * sms} in all), N={N}, D={D}: backward at {rates[per_sm]:.0f} "
+              f"TFLOP/s")
+    gain = rates[8] / rates[1]
+    print(f"Eight programs per SM run the same kernel {gain:.1f}x as fast as one: "
+          + ("the backward is latency-bound, and more independent programs per SM hide it."
+             if gain > 1.2 else "more programs per SM do not help here; its limit is elsewhere."))
+elif __name__ == "__main__":
+    print("Programs per SM are a GPU question: the interpreter runs one program at a time.")
+
+# %%
+# Exercises
+# ---------
+# 1. **Normalize once, at the end.** Rewrite ``one_row_attention`` so that it keeps the
+#    *unnormalized* accumulator :math:`a` and divides by :math:`\ell` only after the loop (what
+#    FlashAttention-2 does), as ``one_row_attention_v2(q, k, v, scale)``. Then
+#    ``check_one_row_attention(one_row_attention_v2)``.
+# 2. **Merge two partial states.** Split the keys of one query row in two halves; each half gives a
+#    state :math:`(m, \ell, a)` computed as above. Write ``merge(state1, state2)`` returning the state of
+#    all the keys, so that ``a / l`` of the result is the row's attention output. (This is the
+#    combine step of the long-row softmax lesson, and of decoding kernels that split the keys
+#    among programs.) Then ``check_merge(merge)``.
+
+
+def check_one_row_attention(fn):
+    """Your one-row attention against float64 softmax(k q * scale) v on a random row."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    n, d = int(torch.randint(1, 60, (), generator=gen)), int(torch.randint(1, 33, (), generator=gen))
+    q, k, v = torch.randn(d, generator=gen), torch.randn(n, d, generator=gen) * 3, torch.randn(n, d, generator=gen)
+    scale = float(torch.rand((), generator=gen)) + 0.1
+    want = torch.softmax(k.double() @ q.double() * scale, dim=0) @ v.double()
+    got = torch.as_tensor(fn(q, k, v, scale), dtype=torch.float64)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9, msg=lambda m: f"n={n}, d={d}: {m}")
+    print(f"one-row attention is right (n={n}, d={d}).")
+
+
+def partial_state(q, k, v, scale):
+    """(m, l, a) of one query row over the keys k: running maximum, sum and unnormalized output."""
+    s = k.double() @ q.double() * scale
+    m = s.max()
+    p = torch.exp(s - m)
+    return m, p.sum(), p @ v.double()
+
+
+def check_merge(fn):
+    """Your merge against the state of all keys, on random splits, one half far larger than the other."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    for _ in range(20):
+        n, d = int(torch.randint(2, 60, (), generator=gen)), int(torch.randint(1, 17, (), generator=gen))
+        q, k, v = torch.randn(d, generator=gen), torch.randn(n, d, generator=gen) * 5, torch.randn(n, d, generator=gen)
+        k[: n // 2] += 3  # the halves' maxima differ a lot
+        cut = int(torch.randint(1, n, (), generator=gen))
+        m, l, a = fn(partial_state(q, k[:cut], v[:cut], 0.5), partial_state(q, k[cut:], v[cut:], 0.5))
+        want = torch.softmax(k.double() @ q.double() * 0.5, dim=0) @ v.double()
+        torch.testing.assert_close(torch.as_tensor(a, dtype=torch.float64) / float(l), want, rtol=1e-6, atol=1e-9,
+                                   msg=lambda msg, n=n, cut=cut: f"keys split {cut} + {n - cut}: {msg}")
+    print("merge combines partial states exactly, on 20 random splits.")

@@ -1,0 +1,698 @@
+"""
+Hopper I: a warp-specialized forward in Gluon
+=============================================
+
+The portable FlashAttention-2 forward of the previous lesson has every warp do everything in turn.
+FlashAttention-3 (Shah et al., 2024) gives the warps of a program *roles* instead: one warp only
+loads, two groups of warps only compute, and their matrix products run while the exponentials of
+the next block are being computed. This lesson writes that forward for Hopper GPUs (H100, H200) in
+Gluon, Triton's lower-level language, and measures it beside the portable kernel and cuDNN.
+
+You will learn:
+
+* why "all warps, one step at a time" leaves the tensor cores idle, and which roles fix it;
+* what Gluon lets a program say that Triton decides for itself: layouts, shared-memory buffers,
+  TMA copies, mbarriers, asynchronous ``warpgroup_mma`` and ``warp_specialize``;
+* how a ring of buffers and its mbarrier *phases* work, with a picture of who waits for what;
+* how registers move between warps with ``setmaxnreg``;
+* why fp8 needs V stored with the keys contiguous on Hopper, and what fp8 buys;
+* what the host pays to launch a kernel that needs TMA descriptors, measured against GPU time.
+
+This lesson needs ``05-fused-attention-v2.py`` next to it (the site's zip of all lessons has both):
+where Gluon cannot run (a CPU, or a GPU other than Hopper) it runs that lesson's portable forward,
+and it always reuses that lesson's backward, checks and benchmark helpers. On such a machine this
+page still shows the design and the portable kernel's numbers, and says why the Gluon kernel did
+not run.
+"""
+
+# %%
+# Where the kernels run
+# ---------------------
+# A CUDA GPU when there is one, otherwise the Triton interpreter on the CPU, switched on before the
+# first ``@triton.jit``. The interpreter cannot run Gluon kernels at all; they only run compiled,
+# on Hopper.
+
+import functools
+import os
+
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import triton  # noqa: E402
+
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+
+
+def load_sibling(stem):
+    """Another lesson of this site, imported from the file next to this one (the site's zip of all
+    lessons has them side by side); None, with a note, when it is not there."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    name = "lesson_" + stem.replace("-", "_")
+    if name in sys.modules:
+        return sys.modules[name]
+    here = Path(__file__).parent if "__file__" in globals() else Path.cwd()
+    path = here / f"{stem}.py"
+    if not path.exists():
+        print(f"{stem}.py is not next to this file, so what needs it is skipped.")
+        return None
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+V2 = load_sibling("05-fused-attention-v2")
+if V2 is None:
+    raise ImportError("this lesson needs 05-fused-attention-v2.py in the same folder: download all lessons as a zip "
+                      "from the site")
+
+# %%
+# Who waits for whom in the portable forward
+# ------------------------------------------
+# In the portable kernel each of the 8 warps of a program walks the key blocks doing everything
+# in turn: it issues the loads of the next key block, waits for :math:`S = QK_j^T` on the tensor
+# cores, computes the exponentials on the ordinary cores while the tensor cores idle, then waits
+# for :math:`O \mathrel{+}= P_j V_j`. Triton's compiler pipelines the loads and overlaps some of
+# this on its own, but the program's shape stays "all warps, one step at a time". cuDNN and
+# FlashAttention-3 give the warps roles instead:
+#
+# * **A producer warp** does nothing but issue bulk asynchronous copies (Hopper's Tensor Memory
+#   Accelerator, TMA) of K and V tiles into a ring of shared-memory buffers. Each buffer has two
+#   *mbarriers*, counters in shared memory that the hardware completes: "full" when the copy has
+#   landed, and "empty" when every consumer is done with the tile, so the producer may refill it.
+# * **Two consumer warp groups** (4 warps, 128 threads each) own 64 query rows each, so that while
+#   one computes exponentials, the other's matrix products can run. They never load anything.
+# * **Registers move to where the work is.** The program has 4 + 4 + 1 = 9 warps. A loader needs
+#   few registers; ``setmaxnreg`` lets it give most of its share back (it keeps 24 per thread), so
+#   that each consumer thread may hold up to 240, which its :math:`S` and :math:`O` tiles need.
+# * **Overlap inside each consumer.** Hopper's tensor-core instruction (``wgmma``) runs
+#   asynchronously: a consumer issues :math:`S_{j+1} = QK_{j+1}^T` and
+#   :math:`O \mathrel{+}= P_j V_j`, waits only for the first, and computes the exponentials of
+#   block :math:`j+1` while :math:`P_j V_j` still runs.
+#
+# The picture shows one program over its first key blocks. It is a schedule, not a measurement:
+# the lengths of the bars are illustrative, the order of events is the kernel's.
+
+
+def draw_roles(blocks=4):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    lanes = {"loader warp": 2.0, "consumer group 0": 1.0, "consumer group 1": 0.0}
+    tensor, alu, copy = "#3b7dd8", "#e4a23c", "#7f7f7f"
+    for j in range(blocks + 1):
+        if j < blocks:
+            ax.broken_barh([(j * 3.0, 1.2), (j * 3.0 + 1.3, 1.2)], (lanes["loader warp"] - 0.3, 0.6), color=copy)
+            ax.text(j * 3.0 + 0.6, 2.0, f"K{j}", ha="center", va="center", fontsize=9, color="white")
+            ax.text(j * 3.0 + 1.9, 2.0, f"V{j}", ha="center", va="center", fontsize=9, color="white")
+        for lane, offset in (("consumer group 0", 1.4), ("consumer group 1", 2.4)):
+            t = j * 3.0 + offset
+            y = lanes[lane]
+            if j < blocks:
+                ax.broken_barh([(t, 0.8)], (y - 0.3, 0.6), color=tensor)
+                ax.text(t + 0.4, y, f"S{j}", ha="center", va="center", fontsize=9, color="white")
+                ax.broken_barh([(t + 0.85, 1.1)], (y - 0.3, 0.6), color=alu)
+                ax.text(t + 1.4, y, f"exp{j}", ha="center", va="center", fontsize=9)
+            if j > 0:  # P_{j-1} V_{j-1} runs on the tensor cores while exp_j runs
+                ax.broken_barh([(t + 0.85, 1.1)], (y - 0.42, 0.12), color=tensor)
+                ax.text(t + 1.4, y - 0.55, f"P{j - 1}V{j - 1}", ha="center", va="center", fontsize=9)
+    ax.set_yticks(list(lanes.values()), list(lanes.keys()), fontsize=9)
+    ax.set_xticks([])
+    ax.set_xlabel("time (illustrative)", fontsize=9)
+    ax.set_ylim(-0.8, 2.5)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in (copy, tensor, alu)]
+    ax.legend(handles, ["TMA copy into a buffer", "tensor cores (wgmma)", "exponentials (ordinary cores)"],
+              loc="upper center", bbox_to_anchor=(0.5, 1.22), ncol=3, fontsize=9, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+if __name__ == "__main__":
+    draw_roles()
+
+# %%
+# A ring of buffers, and the phases of its barriers
+# -------------------------------------------------
+# K and V tiles travel through a ring of ``STAGES`` buffers: block :math:`j` uses buffer
+# :math:`j \bmod \mathrm{STAGES}`. Each buffer's "full" barrier completes once per use, and so
+# does its "empty" barrier. An mbarrier does not count uses; it only remembers the *parity* of the
+# uses it has completed, its phase, and a wait names the parity it waits for. Block :math:`j` is
+# buffer :math:`j \bmod \mathrm{STAGES}`'s use number :math:`\lfloor j / \mathrm{STAGES} \rfloor`,
+# so the consumer waits for "full" to reach parity :math:`\lfloor j / \mathrm{STAGES} \rfloor
+# \bmod 2`. The loader, before refilling that buffer, waits for "empty" to show that the previous
+# use was consumed: the opposite parity. A fresh barrier counts as having completed parity 1,
+# so the loader's first wait on each buffer passes at once. ``ring_slot`` computes what the kernel
+# computes, and the picture draws it.
+
+
+def ring_slot(j, stages):
+    """(buffer, parity the consumer waits for on "full", parity the loader waits for on "empty") of block j."""
+    phase = (j // stages) & 1
+    return j % stages, phase, phase ^ 1
+
+
+def draw_ring(blocks=6, stages=2):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 2.6))
+    for j in range(blocks):
+        buffer, full, empty = ring_slot(j, stages)
+        ax.add_patch(plt.Rectangle((j, buffer), 0.92, 0.9, color=["#3b7dd8", "#e4a23c", "#2ca02c"][buffer % 3]))
+        ax.text(j + 0.46, buffer + 0.45, f"block {j}\nfull: wait {full}\nempty: wait {empty}", ha="center",
+                va="center", fontsize=9, color="white")
+    ax.set(xlim=(0, blocks), ylim=(stages, 0))
+    ax.set_yticks([b + 0.45 for b in range(stages)], [f"buffer {b}" for b in range(stages)], fontsize=9)
+    ax.set_xticks([])
+    ax.set_xlabel("key blocks, in the order the loader fills them", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+if __name__ == "__main__":
+    draw_ring()
+
+# %%
+# Why Gluon
+# ---------
+# Triton's compiler decides for itself which warps do what, and on Hopper its automatic warp
+# specialization (``tl.range(..., warp_specialize=True)``) does not find this schedule. Gluon lets
+# the program say it: explicit layouts, shared-memory buffers, mbarriers, TMA copies, asynchronous
+# ``warpgroup_mma`` and ``warp_specialize``, which runs one function in the program's own 4 warps
+# (the first consumer) and others in extra warps (the second consumer, and the loader). The kernel
+# below is that design, small enough to read in one sitting. Two more details before reading it:
+#
+# * The TMA copies read 4-D boxes (1 batch, 1 head, 64 or 128 rows, :math:`D`) out of the
+#   (B, H, N, D) tensors, with whatever strides those have, and fill rows past :math:`N` with zeros.
+#   So any sequence length and the transposed inputs work. Only the last, ragged key block needs a
+#   mask. The price: TMA needs the last dimension contiguous and the other strides to be positive
+#   multiples of 16 bytes (a head broadcast with ``expand``, stride 0, does not qualify). Other
+#   inputs take the portable kernel.
+# * The tiles are fixed: 128 queries (two halves of 64) by 128 keys, with 2 buffers each for K and
+#   V: at :math:`D = 128`, 32 KiB of Q and 128 KiB of K and V in shared memory. There is no
+#   autotuning here: the descriptors' boxes and the barriers are sized with the tiles. (The
+#   engineering notes of this site record the other tile shapes and buffer counts that were
+#   measured.)
+#
+# Gluon is experimental, and its names still move: Triton 3.6 calls the TMA copy
+# ``async_copy_global_to_shared``, later versions ``async_load``; the lesson picks whichever
+# exists.
+
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait  # noqa: E402
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
+
+_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+
+WS_HEAD_DIMS = (64, 128)
+WS_BLOCK_M, WS_BLOCK_N, WS_STAGES = 128, 128, 2
+WS_CONSUMER_REGISTERS, WS_LOADER_REGISTERS = 240, 24
+
+
+@gluon.jit
+def _ws_softmax_step(s, m_i, l_i, qk_scale, rows, cols, N, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+    if MASKED:
+        if CAUSAL:
+            valid = cols[None, :] <= rows[:, None]
+        else:
+            valid = cols[None, :] < N
+        s = gl.where(valid, s * qk_scale, -float("inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        s = s - m_new[:, None]
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        s = s * qk_scale - m_new[:, None]
+    p = gl.exp2(s)
+    alpha = gl.exp2(m_i - m_new)
+    return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
+
+
+@gluon.jit
+def _ws_loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_full, k_full, k_empty, v_full, v_empty,
+               b, h, first_row, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    half: gl.constexpr = desc_q.block_type.shape[2]
+    mbarrier.expect(q_full, 2 * desc_q.block_type.nbytes)
+    _tma_load(desc_q, [b, h, first_row, 0], q_full, q_smem.index(0))
+    _tma_load(desc_q, [b, h, first_row + half, 0], q_full, q_smem.index(1))
+    for j in range(n_blocks):
+        stage = j % STAGES
+        phase = (j // STAGES) & 1
+        # K and V have their own barriers: a consumer is done with K_j long before V_j.
+        mbarrier.wait(k_empty.index(stage), phase ^ 1)
+        mbarrier.expect(k_full.index(stage), desc_k.block_type.nbytes)
+        _tma_load(desc_k, [b, h, j * BLOCK_N, 0], k_full.index(stage), k_smem.index(stage))
+        mbarrier.wait(v_empty.index(stage), phase ^ 1)
+        mbarrier.expect(v_full.index(stage), desc_v.block_type.nbytes)
+        _tma_load(desc_v, [b, h, j * BLOCK_N, 0], v_full.index(stage), v_smem.index(stage))
+
+
+@gluon.jit
+def _ws_consumer(HALF: gl.constexpr, q_smem, k_smem, v_smem, q_full, k_full, k_empty, v_full, v_empty, O, LSE,
+                 qk_scale, b, h, bh, start_m, N, n_full, n_blocks, sob, soh, son, D: gl.constexpr,
+                 CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    # One warp group: wgmma's accumulator layouts for S (ROWS x BLOCK_N) and O (ROWS x D), and P
+    # as the register operand of the second product.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(0, o_layout, 2)
+    dtype: gl.constexpr = q_smem.dtype
+    q = q_smem.index(HALF).reshape([ROWS, D])
+    rows = start_m * 2 * ROWS + HALF * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, s_layout))
+    cols = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+    zeros = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    m_i = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([ROWS, D], gl.float32, o_layout)
+
+    # Block 0: S_0 and its exponentials, before the loop's steady state.
+    mbarrier.wait(q_full, 0)
+    mbarrier.wait(k_full.index(0), 0)
+    s = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), zeros, use_acc=False)
+    mbarrier.arrive(k_empty.index(0), count=1)
+    if n_full == 0:
+        p, m_i, l_i, alpha = _ws_softmax_step(s, m_i, l_i, qk_scale, rows, cols, N, True, CAUSAL)
+    else:
+        p, m_i, l_i, alpha = _ws_softmax_step(s, m_i, l_i, qk_scale, rows, cols, N, False, CAUSAL)
+    for j in range(1, n_blocks):
+        ks = j % STAGES
+        mbarrier.wait(k_full.index(ks), (j // STAGES) & 1)
+        s_next = warpgroup_mma(q, k_smem.index(ks).reshape([BLOCK_N, D]).permute((1, 0)), zeros, use_acc=False,
+                               is_async=True)
+        vs = (j - 1) % STAGES
+        mbarrier.wait(v_full.index(vs), ((j - 1) // STAGES) & 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        o_next = warpgroup_mma(p_op, v_smem.index(vs).reshape([BLOCK_N, D]), acc, is_async=True)
+        # wgmma groups finish in order: "at most 1 in flight" means S_j is ready, P_{j-1} V_{j-1} may still run.
+        s = warpgroup_mma_wait(1, deps=[s_next])
+        mbarrier.arrive(k_empty.index(ks), count=1)
+        if j >= n_full:
+            p, m_i, l_i, alpha = _ws_softmax_step(s, m_i, l_i, qk_scale, rows, cols + j * BLOCK_N, N, True, CAUSAL)
+        else:
+            p, m_i, l_i, alpha = _ws_softmax_step(s, m_i, l_i, qk_scale, rows, cols, N, False, CAUSAL)
+        acc, p_op = warpgroup_mma_wait(0, deps=[o_next, p_op])
+        mbarrier.arrive(v_empty.index(vs), count=1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    vs = (n_blocks - 1) % STAGES
+    mbarrier.wait(v_full.index(vs), ((n_blocks - 1) // STAGES) & 1)
+    acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(vs).reshape([BLOCK_N, D]), acc)
+
+    gl.store(LSE + bh * N + rows, m_i + gl.log2(l_i), mask=rows < N)
+    o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+    o_rows = start_m * 2 * ROWS + HALF * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, o_layout))
+    o_cols = gl.arange(0, D, gl.SliceLayout(0, o_layout))
+    gl.store(O + b * sob + h * soh + o_rows[:, None] * son + o_cols[None, :], o.to(O.dtype.element_ty),
+             mask=o_rows[:, None] < N)
+
+
+@gluon.jit
+def _ws_barrier_ring(STAGES: gl.constexpr, ARRIVALS: gl.constexpr):
+    """STAGES mbarriers in shared memory, one per buffer of a ring, each completing after ARRIVALS arrivals."""
+    ring = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ring.index(s), count=ARRIVALS)
+    return ring
+
+
+@gluon.jit
+def attn_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, qk_scale, H, N, sob, soh, son,
+                       D: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       STAGES: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr, LOADER_REGISTERS: gl.constexpr):
+    start_m = gl.program_id(0)
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+    if CAUSAL:
+        n_full = start_m * (BLOCK_M // BLOCK_N)  # key blocks wholly below the diagonal
+        n_blocks = gl.minimum(n_full + BLOCK_M // BLOCK_N, gl.cdiv(N, BLOCK_N))
+    else:
+        n_full = N // BLOCK_N
+        n_blocks = gl.cdiv(N, BLOCK_N)
+    dtype: gl.constexpr = desc_q.dtype
+    # Leading 1, 1: the TMA boxes are 4-D (batch, head, rows, D); the consumers view them as 2-D.
+    q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M // 2, D], desc_q.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, D], desc_k.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, D], desc_v.layout)
+    q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_full, count=1)
+    k_full = _ws_barrier_ring(STAGES, 1)
+    v_full = _ws_barrier_ring(STAGES, 1)
+    k_empty = _ws_barrier_ring(STAGES, 2)  # one arrival from each consumer
+    v_empty = _ws_barrier_ring(STAGES, 2)
+    # The argument tuples are written out in the call: a tuple stored in a variable first would
+    # turn its compile-time constants into run-time values.
+    gl.warp_specialize([
+        (_ws_consumer, (0, q_smem, k_smem, v_smem, q_full, k_full, k_empty, v_full, v_empty, O, LSE, qk_scale, b, h,
+                        bh, start_m, N, n_full, n_blocks, sob, soh, son, D, CAUSAL, BLOCK_M // 2, BLOCK_N, STAGES)),
+        (_ws_consumer, (1, q_smem, k_smem, v_smem, q_full, k_full, k_empty, v_full, v_empty, O, LSE, qk_scale, b, h,
+                        bh, start_m, N, n_full, n_blocks, sob, soh, son, D, CAUSAL, BLOCK_M // 2, BLOCK_N, STAGES)),
+        (_ws_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_full, k_full, k_empty, v_full, v_empty,
+                      b, h, start_m * BLOCK_M, n_blocks, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])
+
+
+
+
+def tma_loadable(t):
+    """Whether TMA can copy boxes of t: its last dimension contiguous, its other strides positive
+    multiples of 16 bytes (a broadcast axis, stride 0, as in k.expand(...), is out) and its data
+    16-byte aligned."""
+    return (t.stride(-1) == 1 and all(s > 0 and s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+            and t.data_ptr() % 16 == 0)
+
+
+def warp_specialized_unsupported(q, k, v):
+    """Why the warp-specialized kernels cannot take these inputs here, or None when they can."""
+    if not ON_GPU or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "it needs a Hopper GPU (compute capability 9.x)"
+    if q.dtype not in V2.V1.SUPPORTED_DTYPES:
+        return f"it takes float16 or bfloat16, not {q.dtype}"
+    if q.shape[-1] not in WS_HEAD_DIMS:
+        return f"it takes head dims {WS_HEAD_DIMS}, not {q.shape[-1]}"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not tma_loadable(t):
+            return (f"TMA copies need {name}'s last dimension contiguous, its other strides positive multiples of "
+                    f"16 bytes and its data 16-byte aligned; it has strides {t.stride()}")
+    return None
+
+
+@functools.lru_cache
+def _ws_box_layout(rows, D, dtype):
+    """The shared-memory layout of one TMA box, (1, 1, rows, D); cached, as computing it costs host time."""
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, D], gl.float16 if dtype == torch.float16 else gl.bfloat16)
+
+
+def _ws_descriptor(t, rows):
+    """A TMA descriptor for (1, 1, rows, D) boxes of a (B, H, N, D) tensor, with whatever strides it has."""
+    D = t.shape[-1]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, D], _ws_box_layout(rows, D, t.dtype))
+
+
+def _ws_forward(q, k, v, o, lse, causal, sm_scale):
+    B, H, N, D = q.shape
+    attn_fwd_ws_kernel[(triton.cdiv(N, WS_BLOCK_M), B * H)](
+        _ws_descriptor(q, WS_BLOCK_M // 2), _ws_descriptor(k, WS_BLOCK_N), _ws_descriptor(v, WS_BLOCK_N), o, lse,
+        sm_scale * V2.LOG2E, H, N, *o.stride()[:3], D=D, CAUSAL=causal, BLOCK_M=WS_BLOCK_M, BLOCK_N=WS_BLOCK_N,
+        STAGES=WS_STAGES, CONSUMER_REGISTERS=WS_CONSUMER_REGISTERS, LOADER_REGISTERS=WS_LOADER_REGISTERS, num_warps=4)
+
+
+
+
+# %%
+# The launcher and autograd
+# -------------------------
+# ``attention`` runs the Gluon forward wherever it can run (``warp_specialized=None``) and the
+# previous lesson's portable forward everywhere else; ``warp_specialized=True`` insists on Gluon,
+# with an error that says why when it cannot run, and ``False`` asks for the portable kernel. Both
+# forwards write the same output and the same :math:`\mathrm{LSE}_2`, so the backward is the
+# previous lesson's two-pass backward either way. (The next lesson replaces it on Hopper.)
+
+
+class _AttentionHopperForward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, sm_scale, warp_specialized):
+        if warp_specialized:
+            B, H, N, D = q.shape
+            o = torch.empty_like(q, memory_format=torch.contiguous_format)
+            lse = torch.empty((B * H, N), dtype=torch.float32, device=q.device)
+            _ws_forward(q, k, v, o, lse, causal, sm_scale)
+        else:
+            o, lse = V2.forward(q, k, v, causal, sm_scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.sm_scale = causal, sm_scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        delta = V2.backward_delta(o, do)
+        return *V2.backward(q, k, v, do, lse, delta, ctx.causal, ctx.sm_scale, False), None, None, None
+
+
+def use_warp_specialized(q, k, v, warp_specialized):
+    """Whether to run the Gluon kernels: None means wherever they can run; True insists, with a reason."""
+    if warp_specialized is not None and not isinstance(warp_specialized, bool):
+        raise TypeError(f"warp_specialized must be None, True or False, got {warp_specialized!r}")
+    if warp_specialized is False:
+        return False
+    reason = warp_specialized_unsupported(q, k, v)
+    if reason and warp_specialized:
+        raise ValueError(f"warp_specialized=True, but the warp-specialized kernels cannot run here: {reason}")
+    return reason is None
+
+
+def attention(q, k, v, causal, sm_scale, warp_specialized=None):
+    """softmax(q k^T * sm_scale) v with the warp-specialized forward where it runs (Hopper), the portable one
+    elsewhere, and the portable two-pass backward."""
+    V2.check_inputs(q, k, v, causal, sm_scale)
+    ws = use_warp_specialized(q, k, v, warp_specialized)
+    return _AttentionHopperForward.apply(q, k, v, causal, float(sm_scale), ws)
+
+
+# %%
+# Correctness
+# -----------
+# The forward and the gradients that follow it, against float64 PyTorch on fresh random inputs:
+# both head dims, both dtypes, causal and not, a sequence length one past a block boundary and a
+# long ragged one. On a machine where the Gluon kernel cannot run, the same check runs the
+# portable fallback, and the page says so.
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    probe = torch.empty(1, 1, 8, 64, dtype=torch.float16, device=DEVICE)
+    reason = warp_specialized_unsupported(probe, probe, probe)
+    print("The Gluon forward runs here." if reason is None else
+          f"The Gluon forward did not run on this machine: {reason}. The checks and timings below are of the "
+          "portable fallback (lesson 05's kernel).")
+    for D in (64, 128):
+        for dtype in (torch.float16, torch.bfloat16):
+            for causal in (False, True):
+                N = 1000 if ON_GPU else 65
+                q, k, v = (torch.randn(2, 3, N, D, device=DEVICE, dtype=dtype) for _ in range(3))
+                label = f"06-hopper-forward-gluon, D={D}, {dtype}, causal={causal}"
+                errors = V2.check_against_float64(attention, q, k, v, causal, D ** -0.5, label,
+                                                  tolerance=1e-2 if dtype == torch.float16 else 3e-2)
+                print(f"{label}, N={N}: " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+
+# %%
+# fp8 on Hopper: the layout of V
+# -------------------------------
+# Hopper's tensor cores (and Ada's) also multiply 8-bit floats, by the datasheets at twice the fp16
+# rate (the benchmark below measures what this kernel gets of it), and an 8-bit tile is half the
+# bytes to load. Lesson 05's portable forward kernel takes ``float8_e5m2`` inputs as
+# they are: ``tl.dot`` of two fp8 tiles accumulates in fp32, :math:`P` is cast to V's dtype before the
+# second product, and the output is fp16. What must change is not in the kernel but in memory.
+# Hopper's matrix instruction (``wgmma``) accepts an 8-bit tile from shared memory only with the
+# *reduction* axis contiguous (16-bit tiles may come either way round), and it reduces over at
+# least 32 values, so head dims below 32 are refused. In :math:`QK^T` the reduction runs over the
+# head dimension, which is contiguous in Q and K as they are usually stored. In :math:`PV` it runs over
+# the keys, and a (B, H, N, D) tensor stores each key's D values together: the wrong way round.
+# Fed that, the compiler has to transpose every V tile on its way to the tensor cores (the
+# engineering notes of this site record what that cost on an H100).
+#
+# The fix is a layout: the same V with the sequence axis contiguous. The kernel needs no change,
+# since it takes every stride and Triton sees from them which axis of a tile is contiguous. The
+# launcher makes that copy when it is given another layout; code that quantizes V to fp8 anyway can
+# write the layout during the cast, at no extra cost, as ``keys_contiguous`` does in the benchmark
+# below. With e5m2's two mantissa bits, the check below compares against float64 attention *on the
+# same fp8 inputs*, so that it measures the kernel (including :math:`P` rounded to fp8) rather than
+# the quantization of the inputs.
+
+if __name__ == "__main__":
+    if V2.V1.fp8_supported():
+        N, D = 1000, 64
+        q8, k8 = (torch.randn(2, 3, N, D, device=DEVICE).to(torch.float8_e5m2) for _ in range(2))
+        v8 = V2.keys_contiguous(torch.randn(2, 3, N, D, device=DEVICE), torch.float8_e5m2)
+        for causal in (False, True):
+            out = V2.attention(q8, k8, v8, causal, D ** -0.5)
+            ref = V2.reference_attention(q8.double(), k8.double(), v8.double(), causal, D ** -0.5)
+            error = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+            print(f"fp8 forward, causal={causal!s:5}, N={N}: max error {error:.1e} of the largest output")
+            # P is rounded to e5m2 before the second product; a wrong layout of V gives errors near 1.
+            if not (torch.isfinite(out).all() and error < 0.1):
+                raise AssertionError(f"06-hopper-forward-gluon: fp8 forward is off, error {error:.2e}")
+    else:
+        print("fp8 forward skipped: it needs a GPU with fp8 tensor cores (compute capability 8.9 or newer).")
+
+# %%
+# Benchmark
+# ---------
+# The forward pass in TFLOP/s at the previous lesson's sizes, against the portable kernel and
+# SDPA's backends, measured in this run the same way (each provider timed twice in alternating
+# order, the faster kept). The ceiling is the fp16 matrix-multiply rate measured in this run.
+
+WS = "Triton, warp-specialized (Gluon)"
+
+
+def forward_providers(causal, D):
+    scale = D ** -0.5
+    providers = {V2.OURS: lambda q, k, v: V2.attention(q, k, v, causal, scale)}
+    providers.update(V2.sdpa_providers(causal, scale, V2.PEERS))
+    return providers
+
+
+FP8 = "Triton v2 fp8"
+
+
+def hopper_timers(q, k, v, causal, D):
+    """The Gluon forward where it runs, and lesson 05's fp8 forward where the GPU has fp8 tensor cores."""
+    timers = {}
+    if warp_specialized_unsupported(q, k, v) is None:
+        fn = functools.partial(attention, q, k, v, causal, D ** -0.5, warp_specialized=True)
+        timers[WS, "fwd"] = functools.partial(V2.bench_ms, fn)
+    if V2.V1.fp8_supported():
+        q8, k8 = (t.detach().to(torch.float8_e5m2) for t in (q, k))
+        v8 = V2.keys_contiguous(v.detach(), torch.float8_e5m2)  # the layout, written by the cast
+        timers[FP8, "fwd"] = functools.partial(V2.bench_ms, functools.partial(V2.attention, q8, k8, v8, causal,
+                                                                              D ** -0.5))
+    return timers
+
+
+if __name__ == "__main__":
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    print(V2.describe_platform())
+    if ON_GPU:
+        cases, sizes = [(4, 32, 64), (4, 16, 128)], [1024, 2048, 4096, 8192, 16384]
+    else:
+        cases, sizes = [(1, 2, 64), (1, 1, 128)], [64, 128]
+    peak = V2.matmul_tflops()
+    print(f"fp16 matrix-multiply rate, measured now: {peak:.3g} TFLOP/s")
+    results = pd.DataFrame(V2.run_benchmark(cases, sizes, forward_providers, ("fwd",), hopper_timers))
+    table = results.pivot_table(index=["D", "causal", "mode", "N"], columns="provider", values="value", sort=False)
+    V2.plot_mode(table, "fwd", peak, "Forward pass on " + ("this GPU" if ON_GPU else "the interpreter"))
+    plt.show()
+
+# %%
+# The table, in TFLOP/s:
+
+V2.results_table(results) if __name__ == "__main__" else None
+
+# %%
+# Reading the numbers
+# -------------------
+# Computed from the table above, in this run.
+
+if __name__ == "__main__":
+    peers = [c for c in V2.PEERS if c in table]
+    for (D, causal, _), part in table.groupby(level=["D", "causal", "mode"], sort=False):
+        best_peer = part[peers].max(axis=1)
+        line = f"D={D:3d} {'causal    ' if causal else 'non-causal'}: "
+        if WS in part:
+            ws, portable = part[WS] / best_peer, part[WS] / part[V2.OURS]
+            line += (f"Gluon is {ws.min():.2f}x to {ws.max():.2f}x the fastest SDPA backend and {portable.min():.2f}x "
+                     f"to {portable.max():.2f}x the portable kernel (faster at {(portable > 1).sum()} of "
+                     f"{len(portable)} sizes), up to {part[WS].max() / peak:.0%} of the matmul rate")
+        else:
+            ratio = part[V2.OURS] / best_peer
+            line += f"the portable kernel is {ratio.min():.2f}x to {ratio.max():.2f}x the fastest SDPA backend"
+        print(line)
+    if FP8 in table:
+        fp8 = (table[FP8] / table[V2.OURS]).dropna()
+        print(f"fp8 forward vs. lesson 05's fp16 forward: {fp8.min():.2f}x to {fp8.max():.2f}x, where the datasheet's "
+              "matrix rates differ by 2x: the exponentials and the rescaling do not get faster with fp8.")
+    if V2.ROUNDS > 1:
+        print(V2.spread_summary(results))
+    else:
+        print("These are interpreter timings: they measure NumPy on the CPU, not GPU kernels.")
+    V2.save_results("06-hopper-forward-gluon", [{
+        "name": "attention forward, warp-specialized", "unit": "TFLOP/s", "ceiling_name": "fp16 matmul rate",
+        "ceiling": peak, "ours": [c for c in (WS, V2.OURS, FP8) if c in table], "peers": peers,
+        "rows": results.drop(columns="spread").to_dict("records")}])
+
+# %%
+# Who waits at the smallest sizes: the host
+# -----------------------------------------
+# At :math:`N = 1024` a forward pass is a fraction of a millisecond of GPU work, and launching it
+# is not free: the autograd function, the input checks and Triton's binding of the arguments run in
+# Python on every call, and the Gluon forward also builds three TMA descriptors. When the host
+# needs longer to enqueue a call than the GPU needs to run it, the GPU idles between calls and a
+# benchmark measures the host. The check below times both, for each forward, at the smallest and
+# the largest size of the sweep. (The usual cures are CUDA graphs, which replay a whole sequence of
+# launches at once, or more work per call.)
+
+
+def host_and_gpu_ms(fn, calls=50):
+    """(host ms to enqueue one call, device ms per call), the first without waiting for the GPU."""
+    import time
+
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls * 1e3
+    torch.cuda.synchronize()
+    return host, V2.bench_ms(fn)
+
+
+if __name__ == "__main__" and ON_GPU:
+    B, H, D = cases[0]
+    for N in (sizes[0], sizes[-1]):
+        q, k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16) for _ in range(3))
+        for name, ws in (("Gluon", True), ("portable", False)):
+            if ws and warp_specialized_unsupported(q, k, v) is not None:
+                continue
+            host, gpu = host_and_gpu_ms(lambda: attention(q, k, v, False, D ** -0.5, warp_specialized=ws))
+            verdict = "the host is the bottleneck" if host > 0.8 * gpu else "the GPU is the bottleneck"
+            print(f"{name} forward, D={D}, N={N}: host {1e3 * host:.0f} us to launch, GPU {1e3 * gpu:.0f} us "
+                  f"per call: {verdict}")
+elif __name__ == "__main__":
+    print("Launch overhead is a GPU question: under the interpreter every call runs on the host anyway.")
+
+# %%
+# Exercises
+# ---------
+# 1. **The loader's side of the ring.** The loader waits on "empty" before it refills a buffer.
+#    Write ``loader_wait(j, stages)`` returning ``(buffer, parity)`` that the loader waits for
+#    before loading block ``j``, without looking at ``ring_slot``. Then
+#    ``check_loader_wait(loader_wait)`` runs your answer against a simulated barrier that starts
+#    fresh, completes one phase per use, and lets a wait pass only once the previous use of the
+#    buffer has been consumed.
+# 2. **What TMA can load.** Write ``tma_ok(t)``: whether a TMA descriptor can describe the 4-D
+#    tensor ``t`` as it is (last dimension contiguous, other strides positive multiples of 16
+#    bytes, data 16-byte aligned). Then ``check_tma_ok(tma_ok)`` tries it on contiguous,
+#    transposed, sliced, strided and broadcast tensors.
+
+
+def check_loader_wait(fn):
+    """Your loader_wait against a simulated ring of mbarriers, for 1 to 4 stages and 12 blocks."""
+    for stages in range(1, 5):
+        completed = [1] * stages  # parity of the last completed phase: a fresh barrier shows 1
+        for j in range(12):
+            buffer, parity = fn(j, stages)
+            if buffer != j % stages:
+                raise AssertionError(f"block {j} with {stages} stages goes to buffer {j % stages}, not {buffer}")
+            if parity != completed[buffer]:
+                raise AssertionError(f"block {j} with {stages} stages: buffer {buffer}'s 'empty' barrier last "
+                                     f"completed parity {completed[buffer]}; waiting for {parity} would "
+                                     f"{'hang' if parity != completed[buffer] else 'pass'} at the wrong time")
+            completed[buffer] ^= 1  # the consumers release the buffer once the block is used
+    print("loader_wait waits for the right parity at every block, for 1 to 4 stages.")
+
+
+def check_tma_ok(fn):
+    """Your tma_ok against the rules, on tensors that TMA can and cannot load."""
+    base = torch.randn(2, 3, 40, 64, dtype=torch.float16)
+    cases = {
+        "contiguous": (base, True),
+        "(B, N, H, D) viewed as (B, H, N, D)": (torch.randn(2, 40, 3, 64, dtype=torch.float16).transpose(1, 2), True),
+        "every other column": (torch.randn(2, 3, 40, 128, dtype=torch.float16)[..., ::2], False),
+        "keys along the last axis": (base.transpose(2, 3), False),
+        "one head broadcast with expand": (torch.randn(2, 1, 40, 64, dtype=torch.float16).expand(2, 3, 40, 64), False),
+        "starting one element in": (torch.randn(2 * 3 * 40 * 64 + 1, dtype=torch.float16)[1:].view(2, 3, 40, 64),
+                                    False),
+        "head dim 4, rows of 8 bytes": (torch.randn(2, 3, 40, 4, dtype=torch.float16), False),
+    }
+    for name, (t, want) in cases.items():
+        if bool(fn(t)) != want:
+            raise AssertionError(f"{name} (strides {t.stride()}): TMA {'can' if want else 'cannot'} load it")
+    print(f"tma_ok is right on all {len(cases)} tensors.")

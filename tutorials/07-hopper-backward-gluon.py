@@ -1,0 +1,626 @@
+"""
+Hopper II: the FlashAttention-3 backward in Gluon
+=================================================
+
+The portable backward of lesson 05 executes seven matrix products per pair of blocks where five
+would do, or five with one atomic addition per element of :math:`dQ`. FlashAttention-3's backward
+keeps the five products and makes the additions cheap: :math:`dS` shared between two warp groups
+through shared memory, and :math:`dQ` summed by the TMA engine in bulk. This lesson writes it in
+Gluon, measures it against the portable backward and cuDNN, and profiles where the time goes.
+
+You will learn:
+
+* how one program computes :math:`dK`, :math:`dV` and its share of :math:`dQ` with five matrix
+  products, and why it multiplies :math:`S^T` rather than :math:`S`;
+* how two warp groups split :math:`dQ`'s columns so that each element gets one addition per
+  program, and how a TMA bulk reduction adds a whole fp32 tile in the L2 cache;
+* why a register budget, not the schedule, decided this kernel's speed: spills, and the changes
+  that removed most of them;
+* how to find where a backward's time goes with the CUDA profiler, kernel by kernel.
+
+This lesson needs ``05-fused-attention-v2.py`` and ``06-hopper-forward-gluon.py`` next to it (the
+site's zip of all lessons has them): it runs lesson 06's forward, reuses lesson 05's preprocess,
+checks and benchmark helpers, and falls back to lesson 05's backward where Gluon cannot run. On
+such a machine this page still shows the design and the portable kernels' numbers, and says why
+the Gluon kernel did not run.
+"""
+
+# %%
+# Where the kernels run
+# ---------------------
+# A CUDA GPU when there is one, otherwise the Triton interpreter on the CPU, switched on before the
+# first ``@triton.jit``. Gluon kernels run only compiled, on Hopper.
+
+import functools
+import os
+
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import triton  # noqa: E402
+
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+
+
+def load_sibling(stem):
+    """Another lesson of this site, imported from the file next to this one (the site's zip of all
+    lessons has them side by side); None, with a note, when it is not there."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    name = "lesson_" + stem.replace("-", "_")
+    if name in sys.modules:
+        return sys.modules[name]
+    here = Path(__file__).parent if "__file__" in globals() else Path.cwd()
+    path = here / f"{stem}.py"
+    if not path.exists():
+        print(f"{stem}.py is not next to this file, so what needs it is skipped.")
+        return None
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+V2, FWD = load_sibling("05-fused-attention-v2"), load_sibling("06-hopper-forward-gluon")
+if V2 is None or FWD is None:
+    raise ImportError("this lesson needs 05-fused-attention-v2.py and 06-hopper-forward-gluon.py in the same folder: "
+                      "download all lessons as a zip from the site")
+
+# %%
+# Five products, one program per key block
+# ----------------------------------------
+# One program owns 128 keys, split between two consumer warp groups of 64 keys each, plus a loader
+# warp that streams 64-query blocks of :math:`Q` and :math:`dO` (with their rows'
+# :math:`\mathrm{LSE}_2` and :math:`\Delta`) through a ring of shared-memory buffers, as in the
+# forward. Per query block, each consumer group:
+#
+# 1. issues :math:`S^T = K Q^T` and :math:`dP^T = V\,dO^T` for its keys (64 x 64 each);
+# 2. makes :math:`P^T` and :math:`dS^T = P^T \circ (dP^T - \Delta)`, and starts
+#    :math:`dV \mathrel{+}= P^T dO` with :math:`P^T` straight from registers (the left operand of
+#    ``wgmma`` may live in registers, the right one must be in shared memory: that is why the
+#    kernel computes :math:`S^T` and not :math:`S`);
+# 3. writes its :math:`dS^T` to shared memory and waits for the other group's. Each query's
+#    :math:`dQ` row needs :math:`dS` for all 128 keys of the program, so each group multiplies
+#    :math:`dS\,K` for *half of the columns* of :math:`dQ` (64 of 128 at :math:`D = 128`) over both
+#    groups' keys: one addition per element per program, not two;
+# 4. starts :math:`dK \mathrel{+}= dS^T Q` last, and while it runs, sends its :math:`dQ` columns
+#    out: registers to shared memory, then a *TMA reduction* (``cp.reduce.async.bulk``) adds the
+#    whole fp32 tile into global memory in one bulk operation, in the L2 cache, while the warps go on.
+#
+# The picture shows what each of the two groups holds and multiplies for one query block.
+
+
+def draw_split(keys=128, queries=64, D=128):
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(8, 3.4), gridspec_kw={"width_ratios": [1, 1, 1.4]})
+    colors = ("#3b7dd8", "#e4a23c")
+    for g in range(2):
+        axes[0].add_patch(plt.Rectangle((0, g * keys / 2), D, keys / 2, color=colors[g]))
+        axes[0].text(D / 2, g * keys / 2 + keys / 4, f"group {g}:\nkeys {g * keys // 2}-{(g + 1) * keys // 2 - 1}\n"
+                     "dK, dV", ha="center", va="center", fontsize=9, color="white")
+        axes[1].add_patch(plt.Rectangle((0, g * keys / 2), queries, keys / 2, color=colors[g], alpha=0.8))
+        axes[1].text(queries / 2, g * keys / 2 + keys / 4, f"dS^T of\ngroup {g}\n(shared)", ha="center",
+                     va="center", fontsize=9, color="white")
+        axes[2].add_patch(plt.Rectangle((g * D / 2, 0), D / 2, queries, color=colors[g]))
+        axes[2].text(g * D / 2 + D / 4, queries / 2, f"group {g}:\ncolumns\n{g * D // 2}-{(g + 1) * D // 2 - 1}",
+                     ha="center", va="center", fontsize=9, color="white")
+    for ax, (title, w, h, xl, yl) in zip(axes, [("accumulators", D, keys, "head dim", "key"),
+                                               ("dS^T in shared memory", queries, keys, "query", "key"),
+                                               ("dQ tile sent by TMA reduction", D, queries, "head dim", "query")]):
+        ax.set(xlim=(0, w), ylim=(h, 0))
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel(xl, fontsize=9)
+        ax.set_ylabel(yl, fontsize=9)
+        ax.tick_params(labelsize=9)
+    fig.tight_layout()
+    return fig
+
+
+if __name__ == "__main__":
+    draw_split()
+
+# %%
+# What decided its speed
+# ----------------------
+# Four details, each found by measuring against the two-pass backward (the engineering notes of
+# this site keep those measurements, with the GPU, versions and commits):
+#
+# * **Bulk reductions, not element atomics.** One ``red.global.add.f32`` per element of
+#   :math:`dQ` keeps the L2 cache busy with tiny transactions; a TMA reduction sends a whole tile.
+#   Triton 3.6's Gluon can emit the operation but has no Python name for it yet (later versions
+#   call it ``tma.async_atomic_add``), so the lesson defines the builtin itself, the way it
+#   bridges ``async_load``'s two names.
+# * **A bank-conflict-free staging tile.** TMA reads the fp32 tile from shared memory in the
+#   swizzled layout that ``NVMMASharedLayout`` describes, whose rows may be at most 128 bytes: 32
+#   fp32 values. So :math:`dQ`'s 64 columns go out as two 32-column boxes. In an unswizzled 256-byte
+#   row layout, the eight rows that one warp writes land on the same memory banks: an 8-way
+#   conflict on every store.
+# * **Registers.** A consumer thread holds :math:`dK` and :math:`dV` for 64 keys (128 registers at
+#   :math:`D = 128`), :math:`S^T` and :math:`dP^T` (64 more), and its :math:`dQ` columns (32), of
+#   the 240 that ``setmaxnreg`` gives it. Whatever does not fit spills to local memory (``ptxas
+#   -v`` reports the bytes). Four changes cut the spills: the loader also brings each query
+#   block's :math:`\mathrm{LSE}_2` and :math:`\Delta` into shared memory by TMA (no pointers,
+#   masks or index vectors in the consumers); :math:`P^T` is kept in 16 bits once :math:`dS^T` is
+#   made; the causal mask's index vectors are made where they are used, not kept across the loop;
+#   and one loop handles the masked and the unmasked query blocks, with the mask behind a branch,
+#   since a second loop made the compiler spill in both.
+# * **Overlap.** :math:`dK`'s product is issued after :math:`dQ`'s, so the wait for :math:`dQ`
+#   leaves it running while the tile is stored and sent.
+#
+# Where the TMA box crosses the end of the sequence, the loads fill zeros and the reductions skip
+# the rows past :math:`N`, so no query block needs a bounds mask. :math:`dQ` is summed in an fp32
+# buffer and rounded to the input dtype at the end. The order of the additions varies, so
+# :math:`dQ`'s last bits can differ from run to run; ``atomic_dq=False`` asks for lesson 05's
+# two-pass backward, which gives the same bits every time.
+
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
+
+_tma_load, _ws_barrier_ring = FWD._tma_load, FWD._ws_barrier_ring
+
+WS_BWD_BLOCK_M, WS_BWD_BLOCK_N, WS_BWD_STAGES = 64, 128, 2
+_WS_ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+_WS_DQ_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=4)
+
+if hasattr(tma, "async_atomic_add"):
+    _tma_reduce_add = tma.async_atomic_add
+else:  # Triton 3.6: the compiler has the operation, Gluon no name for it yet
+    from triton._C.libtriton import ir as _ir  # noqa: E402
+    from triton.experimental.gluon.language._core import builtin as _gluon_builtin  # noqa: E402
+
+    @_gluon_builtin
+    def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+_group_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier  # named so since Triton 3.7
+
+
+@gluon.jit
+def _ws_bwd_loader(desc_q, desc_k, desc_v, desc_do, desc_lse, desc_delta, q_smem, k_smem, v_smem, do_smem, lse_smem,
+                   delta_smem, kv_full, q_full, q_empty, do_full, do_empty, b, h, bh, start_n, first, last,
+                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    ROWS: gl.constexpr = desc_k.block_type.shape[2]
+    mbarrier.expect(kv_full, 2 * desc_k.block_type.nbytes + 2 * desc_v.block_type.nbytes)
+    for g in gl.static_range(2):  # the keys of both consumer groups
+        _tma_load(desc_k, [b, h, start_n + g * ROWS, 0], kv_full, k_smem.index(g))
+        _tma_load(desc_v, [b, h, start_n + g * ROWS, 0], kv_full, v_smem.index(g))
+    for j in range(first, last):
+        stage = (j - first) % STAGES
+        phase = ((j - first) // STAGES) & 1
+        # Q travels with its rows' LSE, dO with their Delta, each pair under one barrier.
+        mbarrier.wait(q_empty.index(stage), phase ^ 1)
+        mbarrier.expect(q_full.index(stage), desc_q.block_type.nbytes + desc_lse.block_type.nbytes)
+        _tma_load(desc_q, [b, h, j * BLOCK_M, 0], q_full.index(stage), q_smem.index(stage))
+        _tma_load(desc_lse, [bh, j * BLOCK_M], q_full.index(stage), lse_smem.index(stage))
+        mbarrier.wait(do_empty.index(stage), phase ^ 1)
+        mbarrier.expect(do_full.index(stage), desc_do.block_type.nbytes + desc_delta.block_type.nbytes)
+        _tma_load(desc_do, [b, h, j * BLOCK_M, 0], do_full.index(stage), do_smem.index(stage))
+        _tma_load(desc_delta, [bh, j * BLOCK_M], do_full.index(stage), delta_smem.index(stage))
+
+
+@gluon.jit
+def _ws_bwd_step(j, i, dk, dv, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, q_full,
+                 q_empty, do_full, do_empty, ds_ready, ds_free, desc_dq, b, h, first_key, unmasked_from, qk_scale,
+                 sm_scale, GROUP: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                 t_layout: gl.constexpr, a_layout: gl.constexpr, q_layout: gl.constexpr):
+    """Query block j, the i-th of this program: dV, dK for this group's keys, and its columns of dQ."""
+    ROWS: gl.constexpr = k_smem.shape[-2]
+    D: gl.constexpr = k_smem.shape[-1]
+    BLOCK_M: gl.constexpr = q_smem.shape[-2]
+    DH: gl.constexpr = D // 2  # this group's columns of dQ
+    stage = i % STAGES
+    mbarrier.wait(q_full.index(stage), (i // STAGES) & 1)
+    mbarrier.wait(do_full.index(stage), (i // STAGES) & 1)
+    k = k_smem.index(GROUP).reshape([ROWS, D])
+    v = v_smem.index(GROUP).reshape([ROWS, D])
+    qs = q_smem.index(stage).reshape([BLOCK_M, D])
+    dos = do_smem.index(stage).reshape([BLOCK_M, D])
+    zeros = gl.zeros([ROWS, BLOCK_M], gl.float32, t_layout)
+    st = warpgroup_mma(k, qs.permute((1, 0)), zeros, use_acc=False, is_async=True)
+    dpt = warpgroup_mma(v, dos.permute((1, 0)), zeros, use_acc=False, is_async=True)
+    st, dpt = warpgroup_mma_wait(0, deps=[st, dpt])
+    pt = gl.exp2(st * qk_scale - lse_smem.index(stage).load(t_layout))
+    if CAUSAL and j < unmasked_from:
+        # Key row r sees query column c when first_key + r <= j * BLOCK_M + c.
+        rel = gl.arange(0, ROWS, gl.SliceLayout(1, t_layout)) + (first_key - j * BLOCK_M)
+        pt = gl.where(rel[:, None] <= gl.arange(0, BLOCK_M, gl.SliceLayout(0, t_layout))[None, :], pt, 0.0)
+    dst = (pt * (dpt - delta_smem.index(stage).load(t_layout))).to(qs.dtype)
+    pt_op = gl.convert_layout(pt.to(qs.dtype), a_layout)
+    dv = warpgroup_mma(pt_op, dos, dv, is_async=True)
+    # Share dS^T: the other group's is needed for this group's columns of dQ, and vice versa.
+    mbarrier.wait(ds_free, (i & 1) ^ 1)  # both groups are done with the previous block's
+    ds_smem.index(GROUP).store(dst)
+    fence_async_shared()
+    _group_barrier()
+    mbarrier.arrive(ds_ready, count=1)
+    mbarrier.wait(ds_ready, i & 1)
+    dq = gl.zeros([BLOCK_M, DH], gl.float32, q_layout)
+    for g in gl.static_range(2):
+        kg = k_smem.index(g).reshape([ROWS, D]).slice(GROUP * DH, DH, dim=1)
+        dq = warpgroup_mma(ds_smem.index(g).permute((1, 0)), kg, dq, use_acc=g > 0, is_async=True)
+    dst_op = gl.convert_layout(dst, a_layout)
+    dk = warpgroup_mma(dst_op, qs, dk, is_async=True)  # issued last: it runs while dQ is sent out
+    dv, dq, pt_op = warpgroup_mma_wait(1, deps=[dv, dq, pt_op])
+    mbarrier.arrive(ds_free, count=1)
+    mbarrier.arrive(do_empty.index(stage), count=1)
+    dq = dq * sm_scale
+    tma.store_wait(0)  # the previous block's reductions have read the staging tiles
+    _group_barrier()
+    if DH == 32:
+        dq_smem.index(GROUP).reshape([BLOCK_M, 32]).store(dq)
+    else:  # two 32-column boxes: the widest that a 128-byte swizzled fp32 row holds
+        left, right = gl.split(gl.permute(gl.reshape(dq, [BLOCK_M, 2, 32]), (0, 2, 1)))
+        dq_smem.index(2 * GROUP).reshape([BLOCK_M, 32]).store(left)
+        dq_smem.index(2 * GROUP + 1).reshape([BLOCK_M, 32]).store(right)
+    fence_async_shared()
+    _group_barrier()
+    for p in gl.static_range(DH // 32):
+        _tma_reduce_add(desc_dq, [b, h, j * BLOCK_M, GROUP * DH + p * 32], dq_smem.index(GROUP * (DH // 32) + p))
+    dk, dst_op = warpgroup_mma_wait(0, deps=[dk, dst_op])
+    mbarrier.arrive(q_empty.index(stage), count=1)
+    return dk, dv
+
+
+@gluon.jit
+def _ws_bwd_consumer(GROUP: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+                     kv_full, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, desc_dq, DK, DV, qk_scale,
+                     sm_scale, b, h, bh, start_n, N, first, unmasked_from, last, CAUSAL: gl.constexpr,
+                     STAGES: gl.constexpr):
+    ROWS: gl.constexpr = k_smem.shape[-2]
+    D: gl.constexpr = k_smem.shape[-1]
+    BLOCK_M: gl.constexpr = q_smem.shape[-2]
+    # S^T, dP^T: ROWS x BLOCK_M; dK, dV: ROWS x D; dQ: BLOCK_M x D/2; P^T, dS^T as a register operand.
+    t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D // 2, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(0, g_layout, 2)
+    dk = gl.zeros([ROWS, D], gl.float32, g_layout)
+    dv = gl.zeros([ROWS, D], gl.float32, g_layout)
+    first_key = start_n + GROUP * ROWS
+    mbarrier.wait(kv_full, 0)
+    for j in range(first, last):
+        dk, dv = _ws_bwd_step(j, j - first, dk, dv, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem,
+                              dq_smem, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, desc_dq, b, h, first_key,
+                              unmasked_from, qk_scale, sm_scale, GROUP, CAUSAL, STAGES, t_layout, a_layout, q_layout)
+    keys = first_key + gl.arange(0, ROWS, gl.SliceLayout(1, g_layout))
+    out = bh * N * D + keys[:, None] * D + gl.arange(0, D, gl.SliceLayout(0, g_layout))[None, :]
+    gl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=keys[:, None] < N)
+    gl.store(DV + out, dv.to(DV.dtype.element_ty), mask=keys[:, None] < N)
+
+
+@gluon.jit(do_not_specialize=["N"])  # Triton 3.6 fails to compile this kernel with N = 1 specialized in
+def attn_bwd_ws_kernel(desc_q, desc_k, desc_v, desc_do, desc_lse, desc_delta, desc_dq, DK, DV, qk_scale, sm_scale, H,
+                       N, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                       CONSUMER_REGISTERS: gl.constexpr, LOADER_REGISTERS: gl.constexpr):
+    start_n = gl.program_id(0) * BLOCK_N
+    bh = gl.program_id(1)
+    b = bh // H
+    h = bh % H
+    last = gl.cdiv(N, BLOCK_M)
+    if CAUSAL:
+        first = start_n // BLOCK_M  # query blocks above the diagonal see none of these keys
+        unmasked_from = first + BLOCK_N // BLOCK_M  # the blocks that cross the diagonal need the mask
+    else:
+        first = 0
+        unmasked_from = 0
+    dtype: gl.constexpr = desc_q.dtype
+    D: gl.constexpr = desc_q.block_type.shape[3]
+    ROWS: gl.constexpr = BLOCK_N // 2
+    k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, D], desc_k.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, D], desc_v.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, D], desc_q.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, D], desc_do.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], desc_lse.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], desc_delta.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_M], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, ROWS, BLOCK_M], ds_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [D // 32, 1, 1, BLOCK_M, 32], desc_dq.layout)
+    kv_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_full, count=1)
+    mbarrier.init(ds_ready, count=2)  # one arrival from each consumer group
+    mbarrier.init(ds_free, count=2)
+    q_full = _ws_barrier_ring(STAGES, 1)
+    do_full = _ws_barrier_ring(STAGES, 1)
+    q_empty = _ws_barrier_ring(STAGES, 2)
+    do_empty = _ws_barrier_ring(STAGES, 2)
+    shared = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_full, q_full, q_empty,
+              do_full, do_empty, ds_ready, ds_free, desc_dq, DK, DV, qk_scale, sm_scale, b, h, bh, start_n, N, first,
+              unmasked_from, last, CAUSAL, STAGES)
+    gl.warp_specialize([
+        (_ws_bwd_consumer, (0,) + shared),
+        (_ws_bwd_consumer, (1,) + shared),
+        (_ws_bwd_loader, (desc_q, desc_k, desc_v, desc_do, desc_lse, desc_delta, q_smem, k_smem, v_smem, do_smem,
+                          lse_smem, delta_smem, kv_full, q_full, q_empty, do_full, do_empty, b, h, bh, start_n, first,
+                          last, BLOCK_M, STAGES)),
+    ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])
+
+
+def _ws_row_descriptor(x):
+    """(1, WS_BWD_BLOCK_M) boxes of a (B*H, N) fp32 tensor. TMA needs the row stride in multiples of
+    16 bytes, so rows whose length is not a multiple of 4 are copied into a wider buffer first."""
+    rows, n = x.shape
+    if n % 4:
+        x = torch.zeros((rows, n + 4 - n % 4), dtype=x.dtype, device=x.device)[:, :n].copy_(x)
+    return TensorDescriptor(x, [rows, n], list(x.stride()), [1, WS_BWD_BLOCK_M], _WS_ROW_LAYOUT)
+
+
+def _ws_backward(q, k, v, do, lse, delta, causal, sm_scale):
+    """dQ, dK, dV from the warp-specialized kernel; dQ is summed in fp32 by TMA reductions."""
+    B, H, N, D = q.shape
+    if not FWD.tma_loadable(do):
+        do = do.contiguous()
+    dq = torch.zeros((B, H, N, D), dtype=torch.float32, device=q.device)
+    dk = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
+    dv = torch.empty_like(dk)
+    attn_bwd_ws_kernel[(triton.cdiv(N, WS_BWD_BLOCK_N), B * H)](
+        FWD._ws_descriptor(q, WS_BWD_BLOCK_M), FWD._ws_descriptor(k, WS_BWD_BLOCK_N // 2),
+        FWD._ws_descriptor(v, WS_BWD_BLOCK_N // 2), FWD._ws_descriptor(do, WS_BWD_BLOCK_M), _ws_row_descriptor(lse),
+        _ws_row_descriptor(delta), TensorDescriptor(dq, list(dq.shape), list(dq.stride()), [1, 1, WS_BWD_BLOCK_M, 32],
+                                                    _WS_DQ_LAYOUT),
+        dk, dv, sm_scale * V2.LOG2E, sm_scale, H, N, CAUSAL=causal, BLOCK_M=WS_BWD_BLOCK_M, BLOCK_N=WS_BWD_BLOCK_N,
+        STAGES=WS_BWD_STAGES, CONSUMER_REGISTERS=FWD.WS_CONSUMER_REGISTERS,
+        LOADER_REGISTERS=FWD.WS_LOADER_REGISTERS, num_warps=4)
+    return dq.to(q.dtype), dk, dv
+
+
+
+# %%
+# The launcher and autograd
+# -------------------------
+# ``attention`` runs lesson 06's forward and, where the Gluon kernels run, this backward. Off
+# Hopper, and with ``atomic_dq=False``, the backward is lesson 05's two-pass one, whose :math:`dQ`
+# has the same bits on every run.
+
+
+class _AttentionHopper(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, sm_scale, atomic_dq, warp_specialized):
+        o = FWD._AttentionHopperForward.forward(ctx, q, k, v, causal, sm_scale, warp_specialized)
+        ctx.gluon_backward = warp_specialized and atomic_dq is not False
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        delta = V2.backward_delta(o, do)
+        if ctx.gluon_backward:
+            grads = _ws_backward(q, k, v, do, lse, delta, ctx.causal, ctx.sm_scale)
+        else:
+            grads = V2.backward(q, k, v, do, lse, delta, ctx.causal, ctx.sm_scale, False)
+        return *grads, None, None, None, None
+
+
+def attention(q, k, v, causal, sm_scale, atomic_dq=None, warp_specialized=None):
+    """softmax(q k^T * sm_scale) v with the warp-specialized forward and backward where they run (Hopper).
+
+    ``warp_specialized``: None runs the Gluon kernels where they can run, True insists on them, False
+    asks for lesson 05's portable kernels. ``atomic_dq``: None or True sums dQ with TMA reductions in the
+    Gluon backward (its last bits vary from run to run); False uses the two-pass backward, the same bits
+    every run."""
+    V2.check_inputs(q, k, v, causal, sm_scale)
+    if atomic_dq is not None and not isinstance(atomic_dq, bool):
+        raise TypeError(f"atomic_dq must be None, True or False, got {atomic_dq!r}")
+    ws = FWD.use_warp_specialized(q, k, v, warp_specialized)
+    return _AttentionHopper.apply(q, k, v, causal, float(sm_scale), atomic_dq, ws)
+
+
+# %%
+# Correctness
+# -----------
+# All three gradients against float64 PyTorch on fresh random inputs, at both head dims, both
+# dtypes, causal and not, and a ragged sequence length.
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    probe = torch.empty(1, 1, 8, 64, dtype=torch.float16, device=DEVICE)
+    reason = FWD.warp_specialized_unsupported(probe, probe, probe)
+    print("The Gluon backward runs here." if reason is None else
+          f"The Gluon backward did not run on this machine: {reason}. The checks and timings below are of the "
+          "portable fallback (lesson 05's kernels).")
+    for D in (64, 128):
+        for dtype in (torch.float16, torch.bfloat16):
+            for causal in (False, True):
+                N = 1000 if ON_GPU else 65
+                q, k, v = (torch.randn(2, 3, N, D, device=DEVICE, dtype=dtype) for _ in range(3))
+                label = f"07-hopper-backward-gluon, D={D}, {dtype}, causal={causal}"
+                errors = V2.check_against_float64(attention, q, k, v, causal, D ** -0.5, label,
+                                                  tolerance=1e-2 if dtype == torch.float16 else 3e-2)
+                print(f"{label}, N={N}: " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+
+# %%
+# Benchmark
+# ---------
+# The backward pass in TFLOP/s (2.5 times the forward's FLOPs: five products), at lesson 05's
+# sizes, against lesson 05's two-pass backward and SDPA's backends, measured in this run.
+
+WS = FWD.WS
+
+
+def backward_providers(causal, D):
+    scale = D ** -0.5
+    providers = {V2.OURS: lambda q, k, v: V2.attention(q, k, v, causal, scale)}
+    providers.update(V2.sdpa_providers(causal, scale, V2.PEERS))
+    return providers
+
+
+def gluon_timer(q, k, v, causal, D):
+    if FWD.warp_specialized_unsupported(q, k, v) is not None:
+        return {}
+    fn = functools.partial(attention, causal=causal, sm_scale=D ** -0.5, warp_specialized=True)
+    return {(WS, "bwd"): functools.partial(V2.backward_ms, fn, q, k, v)}
+
+
+if __name__ == "__main__":
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    print(V2.describe_platform())
+    if ON_GPU:
+        cases, sizes = [(4, 32, 64), (4, 16, 128)], [1024, 2048, 4096, 8192, 16384]
+    else:
+        cases, sizes = [(1, 2, 64), (1, 1, 128)], [64, 128]
+    peak = V2.matmul_tflops()
+    print(f"fp16 matrix-multiply rate, measured now: {peak:.3g} TFLOP/s")
+    results = pd.DataFrame(V2.run_benchmark(cases, sizes, backward_providers, ("bwd",), gluon_timer))
+    table = results.pivot_table(index=["D", "causal", "mode", "N"], columns="provider", values="value", sort=False)
+    V2.plot_mode(table, "bwd", peak, "Backward pass on " + ("this GPU" if ON_GPU else "the interpreter"))
+    plt.show()
+
+# %%
+# The table, in TFLOP/s:
+
+V2.results_table(results) if __name__ == "__main__" else None
+
+# %%
+# Reading the numbers
+# -------------------
+# Computed from the table above, in this run.
+
+if __name__ == "__main__":
+    peers = [c for c in V2.PEERS if c in table]
+    for (D, causal, _), part in table.groupby(level=["D", "causal", "mode"], sort=False):
+        best_peer = part[peers].max(axis=1)
+        line = f"D={D:3d} {'causal    ' if causal else 'non-causal'}: "
+        if WS in part:
+            ws, portable = part[WS] / best_peer, part[WS] / part[V2.OURS]
+            line += (f"Gluon is {ws.min():.2f}x to {ws.max():.2f}x the fastest SDPA backend and {portable.min():.2f}x "
+                     f"to {portable.max():.2f}x the two-pass backward (faster at {(portable > 1).sum()} of "
+                     f"{len(portable)} sizes), up to {part[WS].max() / peak:.0%} of the matmul rate")
+        else:
+            ratio = part[V2.OURS] / best_peer
+            line += f"the two-pass backward is {ratio.min():.2f}x to {ratio.max():.2f}x the fastest SDPA backend"
+        print(line)
+    if V2.ROUNDS > 1:
+        print(V2.spread_summary(results))
+    else:
+        print("These are interpreter timings: they measure NumPy on the CPU, not GPU kernels.")
+    V2.save_results("07-hopper-backward-gluon", [{
+        "name": "attention backward, warp-specialized", "unit": "TFLOP/s", "ceiling_name": "fp16 matmul rate",
+        "ceiling": peak, "ours": [c for c in (WS, V2.OURS) if c in table], "peers": peers,
+        "rows": results.drop(columns="spread").to_dict("records")}])
+
+# %%
+# Where the backward's time goes
+# ------------------------------
+# A profile says more than a guess. The CUDA profiler below times each kernel of lesson 05's
+# two-pass backward over a few passes at :math:`D = 128` and the longest sequence of the sweep,
+# and, knowing how many matrix products each kernel executes, gives each kernel's own multiply
+# rate. On Hopper it then profiles the warp-specialized backward the same way.
+
+BACKWARD_PRODUCTS = {"attn_bwd_preprocess_kernel": 0, "attn_bwd_dkdv_kernel": 4, "attn_bwd_dq_kernel": 3,
+                     "attn_bwd_ws_kernel": 5}
+
+
+def backward_kernel_ms(fn, q, k, v, passes=3):
+    """{kernel name: GPU milliseconds per backward pass}, measured with the CUDA profiler."""
+    import warnings
+
+    o = fn(q, k, v)
+    do = torch.randn_like(o)
+    o.backward(do, retain_graph=True)  # autotuning happens here, outside the profile
+    torch.cuda.synchronize()
+    # The profiler warns about its own setup, with paths of the machine that runs it: not for the page.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+            for _ in range(passes):
+                o.backward(do, retain_graph=True)
+            torch.cuda.synchronize()
+    return {e.key: e.device_time_total / passes / 1e3 for e in profile.key_averages() if e.key in BACKWARD_PRODUCTS}
+
+
+if __name__ == "__main__" and ON_GPU:
+    B, H, D = cases[-1]
+    N = sizes[-1]
+    for causal in (False, True):
+        q, k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16, requires_grad=True) for _ in range(3))
+        per_product = 2 * B * H * N * N * D * (0.5 if causal else 1.0)  # about half the blocks when causal
+        times = backward_kernel_ms(lambda q, k, v: V2.attention(q, k, v, causal, D ** -0.5), q, k, v)
+        total = sum(times.values())
+        print(f"two-pass backward, {'causal' if causal else 'non-causal'}, D={D}, N={N}: {total:.2f} ms of GPU time")
+        rates = {}
+        for name, ms in times.items():
+            line = f"    {name:27} {ms:7.2f} ms ({ms / total:4.0%})"
+            if BACKWARD_PRODUCTS[name]:
+                rates[name] = BACKWARD_PRODUCTS[name] * per_product / ms * 1e-9
+                line += f", {BACKWARD_PRODUCTS[name]} products at {rates[name]:.0f} TFLOP/s ({rates[name] / peak:.0%})"
+            print(line)
+        recompute = 2 / 3 * times["attn_bwd_dq_kernel"] / total
+        print(f"    recomputing S and dP in the dQ pass takes about {recompute:.0%} of the backward's GPU time")
+        if FWD.warp_specialized_unsupported(q, k, v) is None:
+            ws = backward_kernel_ms(lambda q, k, v: attention(q, k, v, causal, D ** -0.5), q, k, v)
+            rate = 5 * per_product / ws["attn_bwd_ws_kernel"] * 1e-9
+            print(f"    the warp-specialized backward: {sum(ws.values()):.2f} ms of GPU time, attn_bwd_ws_kernel "
+                  f"{ws['attn_bwd_ws_kernel']:.2f} ms, 5 products at {rate:.0f} TFLOP/s ({rate / peak:.0%})")
+        del q, k, v
+elif __name__ == "__main__":
+    print("The profile of the backward's kernels needs a GPU: under the interpreter there are no GPU kernels to time.")
+
+# %%
+# The percentages are of the matrix-multiply rate measured above. If each two-pass kernel
+# multiplies about as fast as the warp-specialized one, the two-pass backward's handicap is the
+# two extra products, which no schedule removes; if the warp-specialized kernel multiplies faster,
+# part of its gain is the schedule. The lines above say which, for this GPU.
+#
+# Exercises
+# ---------
+# 1. **Which query blocks need the mask.** A backward program owns keys ``start_n`` to
+#    ``start_n + block_n - 1`` and, with causal masking, walks query blocks of ``block_m`` rows from
+#    the first that can see any of its keys. Write ``query_block_range(start_n, block_n, block_m,
+#    n)`` returning ``(first, unmasked_from, last)``: the first query block it walks, the first
+#    that needs no causal mask, and one past the last (blocks are full width, as in the kernel:
+#    keys and queries past ``n`` count as present). Then
+#    ``check_query_block_range(query_block_range)``.
+# 2. **Counting products.** Write ``products_per_block_pair(atomic_dq)`` for lesson 05's
+#    backward: how many matrix products one (key block, query block) pair costs with and without
+#    atomic :math:`dQ`, counting the :math:`dQ` pass's. Then ``check_products(products_per_block_pair)``.
+
+
+def check_query_block_range(fn):
+    """Your query_block_range against the causal mask itself, over many block sizes and lengths. Blocks are
+    full width, as in the kernel: keys and queries past n count as present (the loads give zeros)."""
+    for block_n in (64, 128):
+        for block_m in (16, 32, 64):
+            for n in (1, 63, 64, 200, 517):
+                last = triton.cdiv(n, block_m)
+                for start_n in range(0, n, block_n):
+                    keys = torch.arange(start_n, start_n + block_n)[:, None]
+                    rows = [torch.arange(b * block_m, (b + 1) * block_m)[None, :] for b in range(last)]
+                    sees = [b for b in range(last) if (keys <= rows[b]).any()]
+                    free = [b for b in sees if (keys <= rows[b]).all()]
+                    want = (sees[0], free[0] if free else last, last)
+                    got = tuple(fn(start_n, block_n, block_m, n))
+                    if got != want:
+                        raise AssertionError(f"start_n={start_n}, block_n={block_n}, block_m={block_m}, n={n}: "
+                                             f"expected (first, unmasked_from, last) = {want}, got {got}")
+    print("query_block_range is right for every block size and length tried.")
+
+
+def check_products(fn):
+    """Your products_per_block_pair against the lesson's kernels."""
+    for atomic, want in ((False, 7), (True, 5)):
+        if fn(atomic) != want:
+            raise AssertionError(f"with atomic_dq={atomic} a block pair costs {want} products: "
+                                 + ("S^T, dP^T, dV, dK and dQ in one program" if atomic else
+                                    "4 in the dK, dV pass (S^T, dP^T, dV, dK) and 3 in the dQ pass (S, dP, dQ)"))
+    print("products_per_block_pair counts both backward passes right.")
