@@ -1,7 +1,7 @@
 # The front door for people and CI alike.
 #   make html          build the site, running every tutorial (GPU: full size; no GPU: Triton interpreter)
 #   make html-noplot   build the pages without running the tutorials (quick writing)
-#   make test          run the whole test suite (what CI runs)
+#   make test          lint (ruff) and run the whole test suite (what CI runs)
 #   make serve         serve build/html on http://127.0.0.1:$(PORT)
 #   make clean         remove everything the build made
 # By default everything runs in .venv, made from requirements.txt with every version fixed by
@@ -47,6 +47,7 @@ html-noplot: $(SETUP)
 # Test processes run side by side (pytest-xdist); on a GPU box they share the GPU, which keeps it
 # busy while each one compiles. TEST_JOBS=0 runs everything in this one process.
 test: $(SETUP) $(LINT)
+	$(PYTHON) -m ruff check .
 	$(PYTHON) -m pytest -n $(TEST_JOBS) tests
 
 serve:
