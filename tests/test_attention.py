@@ -4,6 +4,7 @@ and the checks of their exercises."""
 import math
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 from lessons import load
@@ -32,14 +33,14 @@ def reference(q, k, v, causal, sm_scale):
         return scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale)
 
 
-def check(attention, q, k, v, causal, rng):
-    sm_scale = q.shape[-1] ** -0.5
+def check(attention, q, k, v, causal, rng, sm_scale=None):
+    sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     q, k, v = (t.detach().to(DEVICE).requires_grad_() for t in (q, k, v))
     out = attention(q, k, v, causal, sm_scale)
     do = torch.randn(out.shape, generator=rng).to(DEVICE, out.dtype)  # random dO: dO = 1 or dO = O hide bugs
     out.backward(do)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = reference(q64, k64, v64, causal, sm_scale)
+    ref = reference(q64, k64, v64, causal, float(sm_scale))
     ref.backward(do.double())
     assert out.shape == q.shape and out.dtype == q.dtype
     for name, got, want in [("o", out, ref), ("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad),
@@ -414,3 +415,72 @@ def test_exercise_products():
     HOPPER.check_products(lambda atomic: 5 if atomic else 7)
     with pytest.raises(AssertionError, match="products"):
         HOPPER.check_products(lambda atomic: 5)
+
+
+# Inputs that used to be computed wrong, or refused without reason.
+SCALES = [-1.0, -0.125, 0.0, 1e-6, 40.0, np.float32(0.125), np.float64(-0.5), np.int64(1)]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("sm_scale", SCALES, ids=repr)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_every_finite_sm_scale(version, sm_scale, causal, rng):
+    """The forward used to take the row maximum before scaling: wrong (inf, NaN) for a negative scale."""
+    q, k, v = (randn((1, 2, 77, 64), torch.float16, rng) for _ in range(3))
+    check(VERSIONS[version], q, k, v, causal, rng, sm_scale=sm_scale)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("sm_scale", [True, float("inf"), float("nan"), "0.1", None, 1j], ids=repr)
+def test_sm_scale_that_is_not_a_finite_real_is_refused(version, sm_scale):
+    with pytest.raises(TypeError, match="sm_scale"):
+        VERSIONS[version](*good(), False, sm_scale)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_negated_views_are_read_as_their_values(version, rng):
+    """torch._neg_view flips a flag, not the memory: a kernel reading memory must see the negated values."""
+    q, k, v = (randn((1, 2, 50, 32), torch.float16, rng) for _ in range(3))
+    check(VERSIONS[version], torch._neg_view(q), k, torch._neg_view(v), True, rng)
+
+
+def test_a_head_spanning_more_than_2_31_elements_is_refused():
+    # Three rows 2**30 elements apart: a 4 GiB allocation, never written.
+    huge = torch.empty(2**31 + 32, dtype=torch.float16, device=DEVICE).as_strided((1, 1, 3, 32), (0, 0, 2**30, 1))
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        V2.attention(huge, huge, huge, False, 0.125)
+
+
+@pytest.mark.parametrize("version", ["v1", "v2", "v2-atomic-dq"])
+def test_offsets_past_2_31_elements(version, rng):
+    """Batch strides below 2**31 whose last batch starts past it: 32-bit offsets overflow there. The views
+    share one allocation that is mostly never touched, so the test does little real work."""
+    if V2.ON_GPU:
+        pytest.skip("the GPU version of this test uses real tensors (test_real_shape_past_2_31_elements)")
+    B, N, D, stride_b = 3, 64, 32, 1_200_000_000
+    storage = torch.empty(stride_b * (B - 1) + 3 * N * D, dtype=torch.float16)
+    q, k, v = (storage.as_strided((B, 1, N, D), (stride_b, N * D, D, 1), i * N * D) for i in range(3))
+    for t in (q, k, v):
+        t.copy_(torch.randn(t.shape, generator=rng))
+    assert q.storage_offset() + (B - 1) * stride_b > 2**31
+    check(VERSIONS[version], q, k, v, True, rng)
+
+
+@pytest.mark.skipif(not V2.ON_GPU, reason="needs a GPU with room for 4 GiB tensors")
+@pytest.mark.parametrize("version", VERSIONS)
+def test_real_shape_past_2_31_elements(version, rng):
+    """(129, 32, 4096, 128) in fp16: 2**31 + 2**24 elements per tensor. Compared with float64 on a few heads."""
+    B, H, N, D = 129, 32, 4096, 128
+    q, k, v = (torch.randn((B, H, N, D), device=DEVICE, dtype=torch.float16).requires_grad_() for _ in range(3))
+    out = VERSIONS[version](q, k, v, True, D ** -0.5)
+    do = torch.randn_like(out)
+    out.backward(do)
+    for b, h in ((0, 0), (B - 1, H - 1), (B // 2, 7)):
+        qh, kh, vh = (t[b:b + 1, h:h + 1].detach().double().requires_grad_() for t in (q, k, v))
+        ref = reference(qh, kh, vh, True, D ** -0.5)
+        ref.backward(do[b:b + 1, h:h + 1].double())
+        for name, got, want in (("o", out, ref), ("dq", q.grad, qh.grad), ("dk", k.grad, kh.grad),
+                                ("dv", v.grad, vh.grad)):
+            got = got[b:b + 1, h:h + 1].double()
+            error = ((got - want).abs().max() / want.abs().max().clamp(min=1.0)).item()
+            assert torch.isfinite(got).all() and error < TOLERANCE[torch.float16], f"{name} at b={b}, h={h}: {error}"

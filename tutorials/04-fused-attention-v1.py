@@ -32,6 +32,7 @@ You will learn:
 
 import functools
 import math
+import numbers
 import os
 
 import torch
@@ -112,7 +113,7 @@ def attn_fwd_v1_kernel(
     CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     start_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # b * stride can pass 2**31 elements
     b, h = bh // H, bh % H
     rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -187,7 +188,7 @@ def attn_fwd_v1_kernel(
 def attn_bwd_preprocess_v1_kernel(O, DO, L, DO_SCALED, DELTA, H, N,
                                   sob, soh, son, sod, sdb, sdh, sdn, sdd,
                                   D: tl.constexpr, BLOCK_M: tl.constexpr):
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # b * stride can pass 2**31 elements
     b, h = bh // H, bh % H
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, D)
@@ -209,7 +210,7 @@ def attn_bwd_v1_kernel(
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    bh = tl.program_id(0)
+    bh = tl.program_id(0).to(tl.int64)  # b * stride can pass 2**31 elements
     b, h = bh // H, bh % H
     d = tl.arange(0, D)
     for start_n in range(0, N, BLOCK_N):
@@ -316,10 +317,23 @@ def check_inputs(q, k, v, causal, sm_scale, fp8=False):
         raise ValueError(f"head dim must be one of {HEAD_DIMS}, got {q.shape[-1]}")
     if q.numel() == 0:
         raise ValueError(f"q, k and v must not be empty, got shape {tuple(q.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        # The kernels add 64-bit offsets for batch and head, and 32-bit ones inside one head.
+        span = sum((size - 1) * abs(stride) for size, stride in zip(t.shape[2:], t.stride()[2:]))
+        if span >= 2**31:
+            raise ValueError(f"{name}'s rows of one head span {span} elements, more than these kernels address "
+                             f"with 32-bit offsets (2**31): split the sequence, or make the head's rows contiguous")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale):
-        raise TypeError(f"sm_scale must be a finite number, got {sm_scale!r}")
+    # Any real number: Python's, or NumPy's scalars (registered as numbers.Real); a bool is a mistake.
+    if (isinstance(sm_scale, bool) or type(sm_scale).__name__ == "bool_" or not isinstance(sm_scale, numbers.Real)
+            or not math.isfinite(sm_scale)):
+        raise TypeError(f"sm_scale must be a finite real number, got {sm_scale!r}")
+
+
+def resolved(*tensors):
+    """The tensors with any lazy negation or conjugation applied: a kernel reads memory, not those flags."""
+    return tuple(t.resolve_neg().resolve_conj() for t in tensors)
 
 
 BLOCK = 64
@@ -361,7 +375,7 @@ class _AttentionV1(torch.autograd.Function):
 def attention(q, k, v, causal, sm_scale):
     """FlashAttention-1: softmax(q k^T * sm_scale) v over (batch, heads, sequence, head_dim) tensors."""
     check_inputs(q, k, v, causal, sm_scale)
-    return _AttentionV1.apply(q, k, v, causal, float(sm_scale))
+    return _AttentionV1.apply(*resolved(q, k, v), causal, float(sm_scale))
 
 
 # %%

@@ -71,8 +71,8 @@ if V1 is None:
     raise ImportError("this lesson needs 04-fused-attention-v1.py in the same folder: download all lessons as a zip "
                       "from the site")
 # Lesson 04's input checks, float64 check and benchmark harness, under their own names here.
-check_inputs, reference_attention, check_against_float64 = (
-    V1.check_inputs, V1.reference_attention, V1.check_against_float64)
+check_inputs, resolved, reference_attention, check_against_float64 = (
+    V1.check_inputs, V1.resolved, V1.reference_attention, V1.check_against_float64)
 describe_platform, bench_ms, matmul_tflops, save_results = (
     V1.describe_platform, V1.bench_ms, V1.matmul_tflops, V1.save_results)
 sdpa_providers, backward_ms, run_benchmark, plot_mode = (
@@ -182,7 +182,8 @@ if __name__ == "__main__":
 
 @triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, skn, svn, lo, hi, rows, N, qk_scale,
-                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                    NEGATIVE_SCALE: tl.constexpr):
     cols = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N):
         keys = start_n + cols
@@ -203,7 +204,9 @@ def _attn_fwd_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, skn, svn, lo, hi, rows, N
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             s = s - m_new[:, None]
         else:
-            m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+            # The largest scaled score, without scaling them all first: a negative scale flips which is largest.
+            extreme = tl.min(s, axis=1) if NEGATIVE_SCALE else tl.max(s, axis=1)
+            m_new = tl.maximum(m_i, extreme * qk_scale)
             s = s * qk_scale - m_new[:, None]
         p = tl.math.exp2(s)
         alpha = tl.math.exp2(m_i - m_new)
@@ -218,11 +221,11 @@ def _attn_fwd_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, skn, svn, lo, hi, rows, N
 def attn_fwd_kernel(
     Q, K, V, O, LSE, qk_scale, H, N, N_BUCKET,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
-    D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, NEGATIVE_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # b * stride can pass 2**31 elements
     b, h = bh // H, bh % H
     rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, D)
@@ -238,15 +241,16 @@ def attn_fwd_kernel(
         # Off the diagonal: every key is visible, no mask. On it: the causal mask.
         diag = start_m * BLOCK_M
         acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, skn, svn, 0, diag, rows, N, qk_scale,
-                                        BLOCK_N, False, CAUSAL)
+                                        BLOCK_N, False, CAUSAL, NEGATIVE_SCALE)
         acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, skn, svn, diag,
-                                        tl.minimum(diag + BLOCK_M, N), rows, N, qk_scale, BLOCK_N, True, CAUSAL)
+                                        tl.minimum(diag + BLOCK_M, N), rows, N, qk_scale, BLOCK_N, True, CAUSAL,
+                                        NEGATIVE_SCALE)
     else:
         full = (N // BLOCK_N) * BLOCK_N
         acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, skn, svn, 0, full, rows, N, qk_scale,
-                                        BLOCK_N, False, CAUSAL)
+                                        BLOCK_N, False, CAUSAL, NEGATIVE_SCALE)
         acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, skn, svn, full, N, rows, N, qk_scale,
-                                        BLOCK_N, True, CAUSAL)
+                                        BLOCK_N, True, CAUSAL, NEGATIVE_SCALE)
     row_ok = rows < N
     tl.store(LSE + bh * N + rows, m_i + tl.math.log2(l_i), mask=row_ok)
     o = acc / l_i[:, None]
@@ -405,7 +409,7 @@ if __name__ == "__main__":
 @triton.jit
 def attn_bwd_preprocess_kernel(O, DO, DELTA, H, N, sob, soh, son, sod, sdb, sdh, sdn, sdd,
                                D: tl.constexpr, BLOCK_M: tl.constexpr):
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # b * stride can pass 2**31 elements
     b, h = bh // H, bh % H
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, D)
@@ -459,7 +463,7 @@ def attn_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_n = tl.program_id(0) * BLOCK_N
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # b * stride can pass 2**31 elements
     b, h = bh // H, bh % H
     keys = start_n + tl.arange(0, BLOCK_N)
     d = tl.arange(0, D)
@@ -523,7 +527,7 @@ def attn_bwd_dq_kernel(
 ):
     # BLOCK_M / BLOCK_N are swapped on launch: this program owns BLOCK_N query rows.
     start_m = tl.program_id(0) * BLOCK_N
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # b * stride can pass 2**31 elements
     b, h = bh // H, bh % H
     rows = start_m + tl.arange(0, BLOCK_N)
     d = tl.arange(0, D)
@@ -602,7 +606,8 @@ def forward(q, k, v, causal, sm_scale):
         v = keys_contiguous(v)  # lesson 06, "fp8 on Hopper: the layout of V", says why
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B * H)  # noqa: E731
     _fwd[grid](q, k, v, o, lse, sm_scale * LOG2E, H, N, triton.next_power_of_2(N), *q.stride(), *k.stride(),
-               *v.stride(), *o.stride(), D=D, CAUSAL=causal, UPCAST_DOT=_upcast(q), **_FIXED_FWD)
+               *v.stride(), *o.stride(), D=D, CAUSAL=causal, UPCAST_DOT=_upcast(q), NEGATIVE_SCALE=sm_scale < 0,
+               **_FIXED_FWD)
     return o, lse
 
 
@@ -663,7 +668,7 @@ def attention(q, k, v, causal, sm_scale, atomic_dq=False):
     check_inputs(q, k, v, causal, sm_scale, fp8=True)
     if not isinstance(atomic_dq, bool):
         raise TypeError(f"atomic_dq must be True or False, got {atomic_dq!r}")
-    return _AttentionV2.apply(q, k, v, causal, float(sm_scale), atomic_dq)
+    return _AttentionV2.apply(*resolved(q, k, v), causal, float(sm_scale), atomic_dq)
 
 
 # %%

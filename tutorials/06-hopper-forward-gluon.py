@@ -308,7 +308,9 @@ def _ws_consumer(HALF: gl.constexpr, q_smem, k_smem, v_smem, q_full, k_full, k_e
     o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
     o_rows = start_m * 2 * ROWS + HALF * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, o_layout))
     o_cols = gl.arange(0, D, gl.SliceLayout(0, o_layout))
-    gl.store(O + b * sob + h * soh + o_rows[:, None] * son + o_cols[None, :], o.to(O.dtype.element_ty),
+    # b and h stay 32-bit for the TMA coordinates; the pointer offset is 64-bit (it can pass 2**31 elements).
+    o_ptrs = O + b.to(gl.int64) * sob + h.to(gl.int64) * soh + o_rows[:, None] * son + o_cols[None, :]
+    gl.store(o_ptrs, o.to(O.dtype.element_ty),
              mask=o_rows[:, None] < N)
 
 
@@ -368,7 +370,7 @@ def tma_loadable(t):
             and t.data_ptr() % 16 == 0)
 
 
-def warp_specialized_unsupported(q, k, v):
+def warp_specialized_unsupported(q, k, v, sm_scale=1.0):
     """Why the warp-specialized kernels cannot take these inputs here, or None when they can."""
     if not ON_GPU or torch.cuda.get_device_capability(q.device)[0] != 9:
         return "it needs a Hopper GPU (compute capability 9.x)"
@@ -380,6 +382,8 @@ def warp_specialized_unsupported(q, k, v):
         if not tma_loadable(t):
             return (f"TMA copies need {name}'s last dimension contiguous, its other strides positive multiples of "
                     f"16 bytes and its data 16-byte aligned; it has strides {t.stride()}")
+    if sm_scale < 0:  # _ws_softmax_step scales the row maximum, which is the scaled maximum only for sm_scale >= 0
+        return "it takes sm_scale >= 0"
     return None
 
 
@@ -436,13 +440,13 @@ class _AttentionHopperForward(torch.autograd.Function):
         return *V2.backward(q, k, v, do, lse, delta, ctx.causal, ctx.sm_scale, False), None, None, None
 
 
-def use_warp_specialized(q, k, v, warp_specialized):
+def use_warp_specialized(q, k, v, warp_specialized, sm_scale):
     """Whether to run the Gluon kernels: None means wherever they can run; True insists, with a reason."""
     if warp_specialized is not None and not isinstance(warp_specialized, bool):
         raise TypeError(f"warp_specialized must be None, True or False, got {warp_specialized!r}")
     if warp_specialized is False:
         return False
-    reason = warp_specialized_unsupported(q, k, v)
+    reason = warp_specialized_unsupported(q, k, v, sm_scale)
     if reason and warp_specialized:
         raise ValueError(f"warp_specialized=True, but the warp-specialized kernels cannot run here: {reason}")
     return reason is None
@@ -452,7 +456,8 @@ def attention(q, k, v, causal, sm_scale, warp_specialized=None):
     """softmax(q k^T * sm_scale) v with the warp-specialized forward where it runs (Hopper), the portable one
     elsewhere, and the portable two-pass backward."""
     V2.check_inputs(q, k, v, causal, sm_scale)
-    ws = use_warp_specialized(q, k, v, warp_specialized)
+    q, k, v = V2.resolved(q, k, v)
+    ws = use_warp_specialized(q, k, v, warp_specialized, sm_scale)
     return _AttentionHopperForward.apply(q, k, v, causal, float(sm_scale), ws)
 
 

@@ -301,7 +301,8 @@ def _ws_bwd_consumer(GROUP: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_s
                               dq_smem, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, desc_dq, b, h, first_key,
                               unmasked_from, qk_scale, sm_scale, GROUP, CAUSAL, STAGES, t_layout, a_layout, q_layout)
     keys = first_key + gl.arange(0, ROWS, gl.SliceLayout(1, g_layout))
-    out = bh * N * D + keys[:, None] * D + gl.arange(0, D, gl.SliceLayout(0, g_layout))[None, :]
+    # 64-bit: B * H * N * D can pass 2**31 elements.
+    out = bh.to(gl.int64) * N * D + keys[:, None] * D + gl.arange(0, D, gl.SliceLayout(0, g_layout))[None, :]
     gl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=keys[:, None] < N)
     gl.store(DV + out, dv.to(DV.dtype.element_ty), mask=keys[:, None] < N)
 
@@ -420,7 +421,8 @@ def attention(q, k, v, causal, sm_scale, atomic_dq=None, warp_specialized=None):
     V2.check_inputs(q, k, v, causal, sm_scale)
     if atomic_dq is not None and not isinstance(atomic_dq, bool):
         raise TypeError(f"atomic_dq must be None, True or False, got {atomic_dq!r}")
-    ws = FWD.use_warp_specialized(q, k, v, warp_specialized)
+    q, k, v = V2.resolved(q, k, v)
+    ws = FWD.use_warp_specialized(q, k, v, warp_specialized, sm_scale)
     return _AttentionHopper.apply(q, k, v, causal, float(sm_scale), atomic_dq, ws)
 
 
