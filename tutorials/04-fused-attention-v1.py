@@ -613,10 +613,12 @@ def results_table(results):
 def spread_summary(results):
     """How far the repeated timings of one provider spread, by N: the yardstick for small differences."""
     spread = results.groupby("N")["spread"].agg(["median", "max"])
-    return (f"Each number is the fastest of {ROUNDS} timings taken in alternating order; the timings of one "
-            "provider in one case spread by (median, largest) "
+    worst = results.loc[results["spread"].idxmax()]
+    return (f"Each number is the fastest of {ROUNDS} timings taken in alternating order. The two timings of one "
+            "provider in one case differ by (median, largest) "
             + ", ".join(f"N={n}: {row['median']:.1%}, {row['max']:.0%}" for n, row in spread.iterrows())
-            + ". The largest spreads come from the shortest runs, where a few microseconds of host noise weigh most.")
+            + f"; the largest, {worst['spread']:.0%}, is {worst['provider']} ({worst['mode']}) at N={worst['N']}. "
+            "Differences between providers smaller than the median spread at that N are noise.")
 
 
 def v1_providers(causal, D):
