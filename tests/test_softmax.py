@@ -1,14 +1,23 @@
-"""Both softmax lessons against a float64 reference: irregular shapes, strides, dtypes, extreme values
-and bad input."""
+"""Both softmax lessons against a float64 reference: irregular shapes, strides, dtypes, extreme values,
+gradients, views with a negative bit and bad input; and the exercises' checks, each shown to accept a
+correct solution and to reject a known-wrong one."""
 
 import pytest
 import torch
 from lessons import load
 
+# Loaded before Triton is imported: the lessons switch the interpreter on where there is no GPU, and
+# Triton's own library functions are defined for one mode or the other at import.
 LESSON_01 = load("01-fused-softmax")
 LESSON_02 = load("02-long-softmax")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+DEVICE = LESSON_01.DEVICE
 KERNELS = {
     "fused": LESSON_01.softmax,
+    "one-row-per-program": LESSON_01.softmax_one_row_per_program,
     "three-pass": lambda x: LESSON_02.three_pass_softmax(x, block_n=64),
     "online": lambda x: LESSON_02.online_softmax(x, block_n=64),
     "online-default-chunk": LESSON_02.online_softmax,
@@ -21,11 +30,26 @@ SHAPES = [(1, 1), (1, 781), (7, 1), (3, 2), (37, 100), (5, 257), (2, 4099)]
 
 
 def check(kernel, x):
-    x = x.to(LESSON_01.DEVICE)  # the lessons run where Triton does: the GPU if there is one
+    x = x.to(DEVICE)  # the lessons run where Triton does: the GPU if there is one
     y = kernel(x)
     assert y.shape == x.shape and y.dtype == x.dtype
     reference = torch.softmax(x.double(), dim=1)
     torch.testing.assert_close(y.double(), reference, rtol=TOLERANCE[x.dtype], atol=TOLERANCE[x.dtype] * 1e-2)
+
+
+def check_gradient(kernel, leaf, view=lambda t: t):
+    """The gradient reaching leaf through kernel(view(leaf)) against float64 autograd of torch.softmax."""
+    leaf = leaf.detach().requires_grad_()
+    y = kernel(view(leaf))
+    assert y.grad_fn is not None, "the output of an input that requires a gradient must carry a graph"
+    dy = torch.randn(y.shape, device=DEVICE).to(y.dtype)
+    y.backward(dy)
+    leaf64 = leaf.detach().double().requires_grad_()
+    torch.softmax(view(leaf64), dim=1).backward(dy.double())
+    assert leaf.grad is not None and leaf.grad.dtype == leaf.dtype
+    # Both sides see the same dy; the atol covers the rounding of the saved output y to the dtype.
+    tol = TOLERANCE[leaf.dtype]
+    torch.testing.assert_close(leaf.grad.double(), leaf64.grad, rtol=tol, atol=tol * dy.abs().max().item())
 
 
 @pytest.mark.parametrize("name", KERNELS)
@@ -38,9 +62,9 @@ def test_matches_float64_reference(name, shape, dtype, rng):
 @pytest.mark.parametrize("name", KERNELS)
 def test_strided_rows_and_columns(name, rng):
     # Views are made on the lessons' device: moving a view to another device would make it contiguous.
-    wide = torch.randn(13, 300, generator=rng).to(LESSON_01.DEVICE)
+    wide = torch.randn(13, 300, generator=rng).to(DEVICE)
     check(KERNELS[name], wide[:, 7:207])  # rows with a stride: a slice of a wider tensor
-    check(KERNELS[name], torch.randn(90, 11, generator=rng).to(LESSON_01.DEVICE).t())  # a transposed view
+    check(KERNELS[name], torch.randn(90, 11, generator=rng).to(DEVICE).t())  # a transposed view
 
 
 @pytest.mark.parametrize("name", KERNELS)
@@ -56,10 +80,80 @@ def test_numerically_stable(name, dtype, rng):
     check(KERNELS[name], x.to(dtype))
 
 
+@pytest.mark.parametrize("name", KERNELS)
+def test_negative_views_are_resolved(name, rng):
+    # A kernel reads raw memory: without resolving, it would see the values before negation.
+    neg = torch._neg_view((torch.randn(5, 257, generator=rng) * 4).to(DEVICE))
+    imag_of_conj = torch.randn(7, 100, dtype=torch.complex64, generator=rng).to(DEVICE).conj().imag
+    for x in (neg, imag_of_conj):
+        assert x.is_neg()
+        check(KERNELS[name], x)
+
+
+@pytest.mark.parametrize("name", KERNELS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
+def test_gradient_matches_float64_autograd(name, shape, dtype, rng):
+    check_gradient(KERNELS[name], (torch.randn(shape, generator=rng) * 4).to(dtype).to(DEVICE))
+
+
+@pytest.mark.parametrize("name", KERNELS)
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
+def test_gradient_through_strided_and_negative_views(name, dtype, rng):
+    def make(*shape):
+        return (torch.randn(*shape, generator=rng) * 4).to(dtype).to(DEVICE)
+
+    check_gradient(KERNELS[name], make(13, 300), lambda t: t[:, 7:207])
+    check_gradient(KERNELS[name], make(90, 11), lambda t: t.t())
+    check_gradient(KERNELS[name], make(5, 257), torch._neg_view)
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_an_input_that_requires_grad_gets_a_gradient(name, rng):
+    x = torch.randn(4, 33, generator=rng).to(DEVICE).requires_grad_()
+    y = KERNELS[name](x)
+    assert y.requires_grad and y.grad_fn is not None
+    # Rows of a softmax sum to 1 whatever x is, so this loss has a zero gradient; autograd hands the
+    # backward an expanded dy whose strides are 0.
+    y.sum().backward()
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad, torch.zeros_like(x), rtol=0, atol=1e-6)
+    with torch.no_grad():
+        assert KERNELS[name](x).grad_fn is None
+
+
+def test_fused_softmax_refuses_rows_past_its_limit_and_points_to_the_long_row_lesson():
+    for N in (LESSON_01.FUSED_LIMIT + 1, 2 ** 20 + 1):  # past 2**20 Triton itself used to raise first
+        x = torch.zeros(1, N, device=DEVICE)
+        for fn in (LESSON_01.softmax, LESSON_01.softmax_one_row_per_program):
+            with pytest.raises(ValueError, match="02-long-softmax"):
+                fn(x)
+    check(LESSON_01.softmax, torch.randn(1, LESSON_01.FUSED_LIMIT))  # the limit itself still runs
+
+
 def test_row_on_chip_refuses_rows_too_long():
     x = torch.randn(1, LESSON_02.ROW_ON_CHIP_LIMIT + 1, device=LESSON_02.DEVICE)
     with pytest.raises(ValueError, match="at most"):
         LESSON_02.row_on_chip_softmax(x)
+
+
+@pytest.mark.parametrize("fn", ["three_pass_softmax", "online_softmax"])
+@pytest.mark.parametrize("block_n, error", [(0, ValueError), (3, ValueError), (-64, ValueError), (2 ** 21, ValueError),
+                                            (1.5, TypeError), ("64", TypeError), (True, TypeError)], ids=repr)
+def test_unusable_block_n_is_refused_by_name(fn, block_n, error):
+    with pytest.raises(error, match="block_n"):
+        getattr(LESSON_02, fn)(torch.randn(3, 50, device=DEVICE), block_n=block_n)
+
+
+@pytest.mark.parametrize("fn", ["three_pass_softmax", "online_softmax"])
+@pytest.mark.parametrize("block_n", [1, 2, 16])
+def test_tiny_chunks_still_work(fn, block_n, rng):
+    check(lambda x: getattr(LESSON_02, fn)(x, block_n=block_n), torch.randn(3, 37, generator=rng) * 4)
+
+
+def test_unusable_chunk_is_refused_by_name():
+    with pytest.raises(ValueError, match="chunk"):
+        LESSON_02.split_row_softmax(torch.randn(2, 100, device=DEVICE), chunk=100)
 
 
 def test_split_row_refuses_to_split_under_the_interpreter():
@@ -75,6 +169,7 @@ def test_split_row_refuses_to_split_under_the_interpreter():
 def test_split_row_shares_rows_between_programs_on_gpu(N, chunk, dtype):
     x = (torch.randn(37, N, device="cuda") * 10).to(dtype)
     check(lambda t: LESSON_02.split_row_softmax(t, chunk=chunk), x)
+    check_gradient(lambda t: LESSON_02.split_row_softmax(t, chunk=chunk), x)
 
 
 BAD_INPUTS = [
@@ -94,3 +189,189 @@ BAD_INPUTS = [
 def test_bad_input_is_refused_clearly(name, make, error, message):
     with pytest.raises(error, match=message):
         KERNELS[name](make())
+
+
+# The exercises. Each check must accept a correct solution, written here in Triton as a reader
+# would, and reject a known-wrong one with an AssertionError that says what is wrong.
+
+
+@triton.jit
+def _masked_softmax_kernel(x_ptr, lengths_ptr, y_ptr, N, x_row_stride, x_col_stride, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    keep = cols < tl.load(lengths_ptr + row)
+    x = tl.load(x_ptr + row * x_row_stride + cols * x_col_stride, mask=keep, other=-float("inf")).to(tl.float32)
+    numerator = tl.exp(x - tl.max(x, axis=0))
+    y = numerator / tl.sum(numerator, axis=0)
+    tl.store(y_ptr + row * N + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
+
+
+def masked_softmax(x, lengths):
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _masked_softmax_kernel[(x.shape[0],)](x, lengths, y, x.shape[1], x.stride(0), x.stride(1),
+                                          BLOCK_N=triton.next_power_of_2(x.shape[1]))
+    return y
+
+
+def test_check_masked_softmax_accepts_a_correct_solution(capsys):
+    LESSON_01.check_masked_softmax(masked_softmax)
+    assert "masked_softmax passed" in capsys.readouterr().out
+
+
+def test_check_masked_softmax_rejects_a_softmax_that_ignores_lengths():
+    with pytest.raises(AssertionError, match="masked_softmax on"):
+        LESSON_01.check_masked_softmax(lambda x, lengths: LESSON_01.softmax(x))
+
+
+def test_check_masked_softmax_rejects_padding_that_is_almost_zero():
+    def leaky(x, lengths):
+        keep = torch.arange(x.shape[1], device=x.device)[None, :] < lengths[:, None]
+        return torch.softmax(x.float().masked_fill(~keep, -60.0), dim=1).to(x.dtype)
+
+    with pytest.raises(AssertionError, match="exactly 0"):
+        LESSON_01.check_masked_softmax(leaky)
+
+
+@triton.jit
+def _log_softmax_kernel(x_ptr, y_ptr, N, x_row_stride, x_col_stride, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    x = tl.load(x_ptr + row * x_row_stride + cols * x_col_stride, mask=cols < N, other=-float("inf"))
+    shifted = x.to(tl.float32) - tl.max(x.to(tl.float32), axis=0)
+    y = shifted - tl.log(tl.sum(tl.exp(shifted), axis=0))
+    tl.store(y_ptr + row * N + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
+
+
+@triton.jit
+def _log_softmax_backward_kernel(y_ptr, dy_ptr, dx_ptr, N, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    y = tl.load(y_ptr + row * N + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    dy = tl.load(dy_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+    dx = dy - tl.exp(y) * tl.sum(dy, axis=0)
+    tl.store(dx_ptr + row * N + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+class _LogSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        _log_softmax_kernel[(x.shape[0],)](x, y, x.shape[1], x.stride(0), x.stride(1),
+                                           BLOCK_N=triton.next_power_of_2(x.shape[1]))
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        dy, dx = dy.contiguous(), torch.empty_like(y)
+        _log_softmax_backward_kernel[(y.shape[0],)](y, dy, dx, y.shape[1], BLOCK_N=triton.next_power_of_2(y.shape[1]))
+        return dx
+
+
+def test_check_log_softmax_accepts_a_correct_solution(capsys):
+    LESSON_01.check_log_softmax(_LogSoftmax.apply)
+    assert "log_softmax passed" in capsys.readouterr().out
+
+
+def test_check_log_softmax_rejects_a_forward_without_the_max():
+    with pytest.raises(AssertionError, match="the output differs"):
+        LESSON_01.check_log_softmax(lambda x: (x.float() - torch.exp(x.float()).sum(1, keepdim=True).log()).to(x.dtype))
+
+
+def test_check_log_softmax_rejects_an_output_without_a_graph():
+    with pytest.raises(AssertionError, match="no autograd graph"):
+        LESSON_01.check_log_softmax(lambda x: _LogSoftmax.apply(x.detach()))
+
+
+def test_check_log_softmax_rejects_a_wrong_backward():
+    class Wrong(_LogSoftmax):
+        @staticmethod
+        def backward(ctx, dy):
+            return dy  # forgets the softmax term
+
+    with pytest.raises(AssertionError, match="the gradient differs"):
+        LESSON_01.check_log_softmax(Wrong.apply)
+
+
+@triton.jit
+def _two_loop_kernel(x_ptr, y_ptr, N, x_row_stride, x_col_stride, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    m = -float("inf")
+    d = 0.0
+    for start in tl.range(0, N, BLOCK_N):
+        x = tl.load(x_ptr + row * x_row_stride + (start + cols) * x_col_stride, mask=start + cols < N,
+                    other=-float("inf")).to(tl.float32)
+        new_m = tl.maximum(m, tl.max(x, axis=0))
+        safe = tl.where(new_m == -float("inf"), 0.0, new_m)
+        d = d * tl.exp(m - safe) + tl.sum(tl.exp(x - safe), axis=0)
+        m = new_m
+    for start in tl.range(0, N, BLOCK_N):
+        mask = start + cols < N
+        x = tl.load(x_ptr + row * x_row_stride + (start + cols) * x_col_stride, mask=mask, other=-float("inf"))
+        tl.store(y_ptr + row * N + start + cols, (tl.exp(x.to(tl.float32) - m) / d).to(y_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+def two_loop_softmax(x, block_n):
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _two_loop_kernel[(x.shape[0],)](x, y, x.shape[1], x.stride(0), x.stride(1), BLOCK_N=block_n)
+    return y
+
+
+def test_check_two_loop_softmax_accepts_a_correct_solution(capsys):
+    LESSON_02.check_two_loop_softmax(two_loop_softmax)
+    assert "two_loop_softmax passed" in capsys.readouterr().out
+
+
+def test_check_two_loop_softmax_rejects_a_sum_that_is_never_rescaled():
+    def unrescaled(x, block_n):
+        # Each chunk's terms are taken against that chunk's own maximum and simply added up.
+        chunks = x.float().split(block_n, dim=1)
+        maxes = [c.amax(dim=1, keepdim=True) for c in chunks]
+        m = torch.cat(maxes, dim=1).amax(dim=1, keepdim=True)
+        d = sum(torch.exp(c - cm).nan_to_num().sum(dim=1, keepdim=True) for c, cm in zip(chunks, maxes))
+        return (torch.exp(x.float() - m) / d).to(x.dtype)
+
+    with pytest.raises(AssertionError, match="two_loop_softmax on"):
+        LESSON_02.check_two_loop_softmax(unrescaled)
+
+
+@triton.jit
+def _merge_kernel(m_ptr, d_ptr, acc_ptr, o_ptr, S, D, acc_s_stride, acc_d_stride, acc_m_stride,
+                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0)
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    m = tl.load(m_ptr + row * S + splits, mask=splits < S, other=-float("inf"))
+    d = tl.load(d_ptr + row * S + splits, mask=splits < S, other=0.0)
+    acc = tl.load(acc_ptr + row * acc_m_stride + splits[:, None] * acc_s_stride + dims[None, :] * acc_d_stride,
+                  mask=(splits < S)[:, None] & (dims < D)[None, :], other=0.0)
+    scale = tl.exp(m - tl.max(m, axis=0))  # the row has a visible key, so the max is finite
+    o = tl.sum(acc * scale[:, None], axis=0) / tl.sum(d * scale, axis=0)
+    tl.store(o_ptr + row * D + dims, o, mask=dims < D)
+
+
+def merge_partials(m, d, acc):
+    M, S, D = acc.shape
+    o = torch.empty((M, D), dtype=torch.float32, device=acc.device)
+    _merge_kernel[(M,)](m.contiguous(), d.contiguous(), acc, o, S, D, acc.stride(1), acc.stride(2), acc.stride(0),
+                        BLOCK_S=triton.next_power_of_2(S), BLOCK_D=triton.next_power_of_2(D))
+    return o
+
+
+def test_check_merge_partials_accepts_a_correct_solution(capsys):
+    LESSON_02.check_merge_partials(merge_partials)
+    assert "merge_partials passed" in capsys.readouterr().out
+
+
+def test_check_merge_partials_rejects_nan_from_masked_splits():
+    def per_split_then_weighted(m, d, acc):
+        # Normalizing each split first divides 0 by 0 for a split that saw only masked keys.
+        weights = d * torch.exp(m - m.amax(dim=1, keepdim=True))
+        return ((acc / d[:, :, None]) * (weights / weights.sum(dim=1, keepdim=True))[:, :, None]).sum(dim=1)
+
+    with pytest.raises(AssertionError, match="merge_partials on"):
+        LESSON_02.check_merge_partials(per_split_then_weighted)

@@ -3,17 +3,19 @@ Fused softmax
 =============
 
 A row-wise softmax written as one Triton kernel that reads its input once and writes its output once,
-and measured against PyTorch to see how close that gets to the speed of copying memory.
+its backward written the same way, and both measured against PyTorch to see how close they get to
+the speed of copying memory.
 
 You will learn:
 
 * why a *fused* kernel beats a sequence of PyTorch operations, with the memory-traffic arithmetic;
-* how a Triton program processes a tile of rows held entirely on chip, with masking for row
-  lengths that are not powers of two;
+* how a Triton program holds a row on chip, with masking for row lengths that are not powers of two;
 * how to make softmax numerically stable, and why the math runs in fp32 whatever the input dtype;
-* how to size a *persistent* grid from the GPU's occupancy so that every SM stays busy;
-* how to benchmark a memory-bound kernel honestly: in GB/s, beside the copy bandwidth measured in
-  the same run.
+* how to go from one program per row to a *persistent* grid of row tiles sized from the GPU's
+  occupancy, and how to measure what that step buys;
+* how to derive softmax's backward from its Jacobian, write it as a kernel, and wire it into autograd;
+* where a row stops fitting in one program, and why;
+* how to benchmark a memory-bound kernel honestly: in GB/s, beside copies measured in the same run.
 """
 
 # %%
@@ -67,18 +69,137 @@ def naive_softmax(x):
 # :math:`(8MN + 4M) / 2MN \approx 4\times` the naive version's speed. ``torch.softmax`` is already a
 # single fused kernel, so against it the question is only how close each comes to the hardware.
 #
-# The kernel
-# ----------
-# Each program owns a tile of ``BLOCK_M`` rows by ``BLOCK_N`` columns. ``BLOCK_N`` is the row length
-# rounded up to a power of two (Triton's tile shapes must be powers of two); the columns past
-# :math:`N` are masked: loads there return :math:`-\infty`, which adds :math:`e^{-\infty} = 0` to
-# the sum, and stores there are skipped. Several rows per program matter for short rows: one row of
-# 256 fp32 values is only 1 KiB, too little work to hide the latency of a memory load.
+# Step 1: one program per row
+# ---------------------------
+# The simplest fused kernel gives each row to its own program: the grid is :math:`(M,)`, and
+# program ``i`` loads row ``i`` into registers, reduces it twice (maximum, then sum) and stores it.
+# The row is loaded as a block of ``BLOCK_N`` columns, the row length rounded up to a power of two
+# (Triton's block shapes must be powers of two); the columns past :math:`N` are masked: loads there
+# return :math:`-\infty`, which adds :math:`e^{-\infty} = 0` to the sum, and stores there are
+# skipped.
+
+
+@triton.jit
+def softmax_row_kernel(x_ptr, y_ptr, N, x_row_stride, x_col_stride, y_row_stride, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # int64: row * stride can pass 2**31
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(x_ptr + row * x_row_stride + cols * x_col_stride, mask=mask, other=-float("inf"))
+    x = x.to(tl.float32)
+    numerator = tl.exp(x - tl.max(x, axis=0))
+    y = numerator / tl.sum(numerator, axis=0)
+    tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# %%
+# Two details deserve a word. The math is fp32 even for fp16 and bf16 inputs: the sum of
+# thousands of small terms in 16-bit precision would lose most of its digits, and the conversion
+# costs nothing next to the memory traffic. And the column stride is a parameter: a kernel that
+# assumed contiguous rows would silently compute garbage on a transposed view, while Triton
+# specializes a stride equal to 1 at compile time, so the common case still gets wide, vectorized
+# loads.
 #
-# The program is *persistent*: it loops over row tiles with a stride of the grid size, instead of
-# the grid having one program per tile. ``tl.range(..., num_stages=...)`` lets the compiler issue
-# the load of the next tile while the current one is still being computed on (software
-# pipelining).
+# The launch helpers
+# ------------------
+# A kernel that receives a bad pointer does not raise: it computes nonsense or crashes the process.
+# So every launcher first checks its input, and resolves one kind of tensor that looks fine but is
+# not: a *negative view* (``torch._neg_view(x)``, or ``x.conj().imag`` of a complex tensor) shares
+# its memory with the un-negated values and only carries a flag saying "negate on read". A kernel
+# reads raw memory and would never see the flag, so the launcher materializes such a view first.
+#
+# A row must fit in one program's registers. A program runs on one streaming multiprocessor (SM),
+# with at most 1,024 threads that share the SM's 65,536 32-bit registers: at most 64 registers per
+# thread when all 1,024 run. A row of 32,768 fp32 values takes 32 of them per thread and leaves room
+# for addresses and temporaries; a row of 65,536 would need all 64 for the values alone, and the
+# compiler would *spill* the rest to local memory, which is device memory behind the caches.
+# Compiled without a GPU for an H100 (sm_90) with the ``ptxas`` of Triton 3.6 and of Triton 3.9,
+# in fp32 and bf16, with 32 warps, the kernel above used 53 to 57 registers per thread for a row of
+# 32,768 and spilled nothing; for 65,536 it used all 64 and spilled 252 to 432 bytes per thread.
+# The launchers therefore refuse rows longer than ``FUSED_LIMIT`` with an error that points to the
+# next lesson, which handles rows of any length and measures a one-program kernel up to the limit.
+#
+# The two helpers below launch the forward pass only. The public, differentiable launchers,
+# ``softmax_one_row_per_program`` and ``softmax``, come with the backward pass further down.
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FUSED_LIMIT = 32768  # longest row (elements) these kernels hold in one program's registers
+
+
+def check_input(x):
+    """Raise a clear error for anything the kernels cannot handle."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"softmax expects a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"softmax expects a 2-D tensor (rows, columns), got shape {tuple(x.shape)}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"softmax supports float32, float16 and bfloat16, got {x.dtype}")
+    if x.numel() == 0:
+        raise ValueError(f"softmax needs at least one row and one column, got shape {tuple(x.shape)}")
+    if x.device.type != DEVICE.type:
+        raise ValueError(f"x is on device '{x.device}', but Triton runs these kernels on '{DEVICE.type}' here")
+
+
+def _prepare(x):
+    """The checked input, ready for a kernel: rows that fit, no negative-view flag left to ignore."""
+    check_input(x)
+    if x.shape[1] > FUSED_LIMIT:
+        raise ValueError(f"the fused softmax holds a row in one program's registers: at most {FUSED_LIMIT} "
+                         f"columns, got {x.shape[1]}. For longer rows use the next lesson, 02-long-softmax.py "
+                         "(Softmax over rows too long for one tile).")
+    # Conjugate views exist only for complex tensors, which check_input refuses; negative views remain.
+    return x.resolve_neg()
+
+
+def _num_warps(elements):
+    """About 16 elements per thread, at least 4 warps, at most 32 (1,024 threads, a program's maximum)."""
+    return max(4, min(32, elements // (16 * 32)))
+
+
+def _one_row_per_program(x):
+    """Forward only: launch softmax_row_kernel on a prepared input (the public launchers come later)."""
+    M, N = x.shape
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    BLOCK_N = triton.next_power_of_2(N)
+    softmax_row_kernel[(M,)](x, y, N, x.stride(0), x.stride(1), y.stride(0), BLOCK_N=BLOCK_N,
+                             num_warps=_num_warps(BLOCK_N))
+    return y
+
+
+# %%
+# Is it correct?
+# --------------
+# Always check a kernel against a trusted reference before timing it. The shape below is
+# deliberately irregular: 1823 rows of 781 columns (not a power of two, so the mask is exercised).
+# The reference is ``torch.softmax`` in float64, and ``torch.testing.assert_close`` compares
+# element by element, each against a relative and an absolute tolerance, and counts a ``NaN`` as a
+# mismatch.
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    x = torch.randn(1823, 781, device=DEVICE)
+    reference = torch.softmax(x.double(), dim=1)
+    y = _one_row_per_program(_prepare(x))
+    torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-7)
+    print(f"one row per program, 1823x781 fp32: max abs error {(y.double() - reference).abs().max().item():.2e}")
+
+# %%
+# Step 2: persistent programs over row tiles
+# ------------------------------------------
+# One program per row has two costs for short rows. A row of 256 fp32 values is 1 KiB, too little
+# work for a program to hide the latency of its own load, and with thousands of rows the GPU starts
+# and retires thousands of tiny programs. The second kernel changes two things:
+#
+# * each program owns a *tile* of ``BLOCK_M`` rows by ``BLOCK_N`` columns, so a short row travels
+#   with its neighbours;
+# * the program is *persistent*: the grid holds only as many programs as fit on the GPU at once,
+#   and each loops over row tiles with a stride of the grid size. ``tl.range(..., num_stages=...)``
+#   lets the compiler issue the load of the next tile while the current one is still being computed
+#   on (software pipelining).
+#
+# Whether this pays off is a question for the benchmark below, which runs both kernels side by side.
+# The loop has a cost in registers: compiled offline as above, the persistent kernel spills 112 to
+# 124 bytes per thread at 32,768 columns (none at 16,384), where the one-row kernel spills nothing.
+# On a GPU the benchmark goes up to 32,768 to show what that costs.
 
 
 @triton.jit
@@ -106,32 +227,20 @@ def softmax_kernel(
 
 
 # %%
-# Two details deserve a word. The math is fp32 even for fp16 and bf16 inputs: the sum of
-# thousands of small terms in 16-bit precision would lose most of its digits, and the conversion
-# costs nothing next to the memory traffic. And the column stride is a parameter: a kernel that
-# assumed contiguous rows would silently compute garbage on a transposed view, while Triton
-# specializes a stride equal to 1 at compile time, so the common case still gets wide, vectorized
-# loads.
-#
-# The launch helper
-# -----------------
-# The launcher checks its input (a kernel that receives a bad pointer does not raise, it computes
-# nonsense or crashes the process), then picks the tile and the grid:
+# The launcher picks the tile and the grid:
 #
 # * ``BLOCK_M``: enough rows that each tile holds at least 2,048 elements, so that short rows
 #   still give each program a worthwhile amount of memory traffic, yet tiles stay small enough
 #   that many programs share each SM and overlap one another's loads.
 # * ``num_warps``: about 16 elements per thread (at least 4 warps), so that the tile fits in
-#   registers. A tile that needs more registers than a thread may have spills to slow local
-#   memory.
+#   registers, the same rule as for one row per program.
 # * ``NUM_STAGES = 1``: no software pipelining across tiles. Pipelining keeps the next tile in
 #   shared memory while the current one is computed on; with this many small programs per SM, the
 #   programs already overlap each other's loads, and on an H100 a second stage was no faster.
-# * the grid: *occupancy* is how many programs an SM can host at once, limited by its registers
-#   (65,536 32-bit registers on recent NVIDIA GPUs), its shared memory and its thread slots. We
-#   compile the kernel first, read how many registers and how much shared memory it uses, compute
-#   the occupancy, and launch exactly as many programs as fit at once on all SMs. Each then loops
-#   over its share of the tiles.
+# * the grid: *occupancy* is how many programs an SM can host at once, limited by its registers,
+#   its shared memory and its thread slots. We compile the kernel first, read how many registers
+#   and how much shared memory it uses, compute the occupancy, and launch exactly as many programs
+#   as fit at once on all SMs. Each then loops over its share of the tiles.
 #
 # These choices were not guessed: ``tools/tune.py softmax`` in this site's repository sweeps tile
 # heights, warps, stages and grid styles on a GPU, and the rules above follow its winners. Earlier
@@ -139,28 +248,11 @@ def softmax_kernel(
 # warps in flight for short rows, and a full build measured bf16 rows of 256 and 1,024 elements
 # at half the speed of the element-based rule.
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-
-def check_input(x):
-    """Raise a clear error for anything the kernels cannot handle."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"softmax expects a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 2:
-        raise ValueError(f"softmax expects a 2-D tensor (rows, columns), got shape {tuple(x.shape)}")
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"softmax supports float32, float16 and bfloat16, got {x.dtype}")
-    if x.numel() == 0:
-        raise ValueError(f"softmax needs at least one row and one column, got shape {tuple(x.shape)}")
-    if x.device.type != DEVICE.type:
-        raise ValueError(f"x is on device '{x.device}', but Triton runs these kernels on '{DEVICE.type}' here")
-
-
-def _tile_shape(N, element_size):
+def _tile_shape(N):
     BLOCK_N = triton.next_power_of_2(N)
     BLOCK_M = max(1, 2048 // BLOCK_N)
-    num_warps = max(4, min(32, BLOCK_M * BLOCK_N // (16 * 32)))
-    return BLOCK_M, BLOCK_N, num_warps
+    return BLOCK_M, BLOCK_N, _num_warps(BLOCK_M * BLOCK_N)
 
 
 _occupancy = {}
@@ -184,12 +276,11 @@ def _persistent_grid(args, meta, num_warps, row_tiles):
     return min(row_tiles, _occupancy[key])
 
 
-def softmax(x):
-    """Row-wise softmax of a 2-D tensor in one fused Triton kernel; returns a new contiguous tensor."""
-    check_input(x)
+def _persistent(x):
+    """Forward only: launch the persistent softmax_kernel on a prepared input."""
     M, N = x.shape
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    BLOCK_M, BLOCK_N, num_warps = _tile_shape(N, x.element_size())
+    BLOCK_M, BLOCK_N, num_warps = _tile_shape(N)
     args = (x, y, M, N, x.stride(0), x.stride(1), y.stride(0))
     meta = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=1)
     grid = _persistent_grid(args, meta, num_warps, triton.cdiv(M, BLOCK_M))
@@ -197,35 +288,153 @@ def softmax(x):
     return y
 
 
+if __name__ == "__main__":
+    y = _persistent(_prepare(x))
+    torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-7)
+    print(f"persistent row tiles, 1823x781 fp32: max abs error {(y.double() - reference).abs().max().item():.2e}")
+
 # %%
-# A tile of ``BLOCK_M x BLOCK_N`` values must fit in one program's registers, so this kernel has a
-# limit: past roughly 16,384 fp32 values per row, the tile no longer fits, and the compiler spills.
-# The next tutorial handles rows of any length.
+# The backward pass
+# -----------------
+# Training needs :math:`\partial L / \partial x` given :math:`dy = \partial L / \partial y`. For one
+# row, :math:`y_i = e^{x_i} / \sum_k e^{x_k}` (subtracting the maximum does not change :math:`y`,
+# so it does not change its derivatives either), and differentiating the quotient gives the Jacobian
 #
-# Is it correct?
-# --------------
-# Always check a kernel against a trusted reference before timing it. The shape below is
-# deliberately irregular: 1823 rows (not a multiple of any tile height) of 781 columns (not a power
-# of two, so the mask is exercised). The reference is ``torch.softmax`` in float64.
+# .. math::
+#
+#    \frac{\partial y_i}{\partial x_j} = y_i \delta_{ij} - y_i y_j,
+#    \qquad J = \operatorname{diag}(y) - y\,y^\top .
+#
+# :math:`J` is symmetric, so the chain rule :math:`dx = J^\top dy` reads
+#
+# .. math::
+#
+#    dx_i = \sum_j \left(y_i \delta_{ij} - y_i y_j\right) dy_j
+#         = y_i \Big(dy_i - \sum_j dy_j\, y_j\Big),
+#    \qquad dx = y \circ \big(dy - \operatorname{rowsum}(dy \circ y)\big).
+#
+# The :math:`N \times N` Jacobian is never formed: each row needs one dot product and one
+# element-wise update. The backward needs the *output* :math:`y`, not the input, so the forward
+# saves :math:`y`. Fused like the forward, the backward reads :math:`y` and :math:`dy` once and
+# writes :math:`dx` once, :math:`3MN` elements, the least it can move. The math is fp32 again: the
+# dot product is a sum of :math:`N` terms. A tile now holds two arrays, so the backward runs short
+# of registers sooner: compiled offline as above, it used all 64 registers per thread at 32,768
+# columns and spilled 88 to 204 bytes per thread, and spilled nothing at 16,384.
+#
+# The backward kernel takes one tile of rows per program and no persistent loop: it is simpler,
+# and this lesson does not benchmark it. ``dy`` comes with any strides (autograd hands over an
+# expanded tensor of stride 0 for ``y.sum().backward()``), so its strides are parameters; ``y`` and
+# ``dx`` are allocated here, contiguous.
+
+
+@triton.jit
+def softmax_backward_kernel(y_ptr, dy_ptr, dx_ptr, M, N, dy_row_stride, dy_col_stride,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    rows = rows.to(tl.int64)
+    at = rows[:, None] * N + cols[None, :]  # y and dx are contiguous
+    # Padding loads 0 for both: it adds nothing to the dot product and is never stored.
+    y = tl.load(y_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :] * dy_col_stride,
+                 mask=mask, other=0.0).to(tl.float32)
+    dx = y * (dy - tl.sum(y * dy, axis=1)[:, None])
+    tl.store(dx_ptr + at, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def softmax_backward(y, dy):
+    """dx = y * (dy - rowsum(dy * y)) for a contiguous softmax output y and its gradient dy."""
+    dy = dy.resolve_neg()
+    M, N = y.shape
+    dx = torch.empty_like(y)
+    BLOCK_M, BLOCK_N, num_warps = _tile_shape(N)
+    softmax_backward_kernel[(triton.cdiv(M, BLOCK_M),)](y, dy, dx, M, N, dy.stride(0), dy.stride(1),
+                                                        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=num_warps)
+    return dx
+
+
+# %%
+# ``torch.autograd.Function`` ties the two together: ``forward`` runs one of the forward
+# launchers and saves :math:`y`, ``backward`` runs the kernel above. A tensor computed by a Triton
+# kernel has no autograd history of its own, so without this wrapper ``softmax(x)`` of an ``x``
+# that requires a gradient would return an output with no graph, and a loss built on it would
+# silently never reach ``x``. The wrapper is skipped when no graph is wanted, so that calls without
+# one, such as the benchmark's, pay nothing for it. The backward is marked ``once_differentiable``:
+# it builds no graph of its own, so asking for a second derivative through it raises an error
+# instead of silently treating the first derivative as a constant.
+
+
+class _Softmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, launch):
+        y = launch(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        return softmax_backward(y, dy), None
+
+
+def _differentiable(launch, x):
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Softmax.apply(x, launch)
+    return launch(x)
+
+
+def softmax_one_row_per_program(x):
+    """Row-wise softmax, one program per row (step 1); differentiable. Returns a new contiguous tensor."""
+    return _differentiable(_one_row_per_program, _prepare(x))
+
+
+def softmax(x):
+    """Row-wise softmax by persistent programs over row tiles (step 2); differentiable.
+    Returns a new contiguous tensor."""
+    return _differentiable(_persistent, _prepare(x))
+
+
+# %%
+# The gradient, checked against float64 autograd through ``torch.softmax``, on a row length that
+# is not a power of two and a transposed (strided) input:
 
 if __name__ == "__main__":
-    torch.manual_seed(0)
-    x = torch.randn(1823, 781, device=DEVICE)
-    y = softmax(x)
-    reference = torch.softmax(x.double(), dim=1)
-    error = (y.double() - reference).abs().max().item()
-    print(f"max abs error vs float64 reference on 1823x781 fp32: {error:.2e}")
-    assert error < 1e-6, error
+    base = torch.randn(300, 37, device=DEVICE)
+    for name, fn in [("one row per program", softmax_one_row_per_program), ("persistent", softmax)]:
+        x = base.t().detach().requires_grad_()  # 37 rows of 300 columns, column stride 37
+        dy = torch.randn(37, 300, device=DEVICE)
+        fn(x).backward(dy)
+        x64 = x.detach().double().requires_grad_()
+        torch.softmax(x64, dim=1).backward(dy.double())
+        torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-5, atol=1e-7)
+        print(f"{name}: gradient on 37x300 (strided) fp32 matches float64 autograd; "
+              f"max abs error {(x.grad.double() - x64.grad).abs().max().item():.2e}")
 
 # %%
 # Benchmark
 # ---------
 # Each provider runs at :math:`M = 4096` rows and a range of row lengths. Speed is given as
 # effective bandwidth, :math:`2MN \times` the element size over the time: the bytes a perfect fused
-# kernel must move. A device-to-device copy of a large buffer, measured in the same run, is the
-# ceiling no softmax can pass, since it moves the same bytes and does no math. On a GPU the time is
-# the median of ``triton.testing.do_bench``; under the interpreter it is the median wall-clock time
-# of a few runs, which measures NumPy on the CPU, not a GPU.
+# kernel must move. Two copies give the scale, both measured in the same run:
+#
+# * a device-to-device copy of a large buffer (256 MiB on a GPU), far bigger than the caches: the
+#   best estimate this page has of what the memory system sustains. It is an estimate, not a bound:
+#   it is itself a kernel, measured with its own overheads.
+# * a copy of *the same tensor* at each size, since for small inputs launching a kernel and ramping
+#   the memory system up and down take a fixed few microseconds, and even a plain copy falls short
+#   of the large-buffer figure there. This is a reference, not a ceiling: it measures PyTorch's copy
+#   (for contiguous tensors of one dtype, the CUDA driver's device-to-device ``memcpy``), whose
+#   launch shape is chosen for copies in general, not for this size. A kernel that keeps more loads
+#   in flight per thread, or spreads its last wave of programs differently, can finish sooner at
+#   some sizes; the sentences under the table count where that happened in this run.
+#
+# On a GPU the time is the median of ``triton.testing.do_bench``; under the interpreter it is the
+# median wall-clock time of a few runs, which measures NumPy on the CPU, not a GPU.
+# ``torch.compile`` fuses the naive version into generated Triton code. It compiles once per shape,
+# which takes seconds on a GPU; on a CPU it would generate C++ instead, which says nothing about
+# Triton, so it only runs on a GPU.
 
 import platform  # noqa: E402
 import statistics  # noqa: E402
@@ -276,20 +485,12 @@ def save_results(tutorial, benchmarks):
         json.dump(record, f, indent=1)
 
 
-# %%
-# Beside the large-buffer copy, each size also gets a copy of *the same tensor*: for small inputs,
-# launching a kernel and ramping the memory system up and down take a fixed few microseconds, so
-# even a plain copy falls short of the large-buffer figure there. That curve is the honest ceiling
-# at each size.
-#
-# ``torch.compile`` fuses the naive version into generated Triton code. It compiles once per shape,
-# which takes seconds on a GPU; on a CPU it would generate C++ instead, which says nothing about
-# Triton, so it only runs on a GPU.
-
-# A copy of the same tensor moves exactly the bytes a perfect softmax must: the ceiling at each size.
+ONE_ROW = "Triton, one row per program"
+PERSISTENT = "Triton, persistent row tiles"
 SAME_SIZE_COPY = "copy of x (same bytes)"
 PROVIDERS = {
-    "Triton (this tutorial)": softmax,
+    ONE_ROW: softmax_one_row_per_program,
+    PERSISTENT: softmax,
     "torch.softmax": lambda x: torch.softmax(x, dim=1),
     "naive PyTorch": naive_softmax,
 }
@@ -301,16 +502,15 @@ def run_benchmark(M, sizes, dtypes):
         for N in sizes:
             x = torch.randn(M, N, device=DEVICE, dtype=dtype)
             gbs = lambda ms: 2 * x.numel() * x.element_size() / ms * 1e-6  # noqa: E731
+            case = dict(dtype=str(dtype).split(".")[1], N=N)
             for name, fn in PROVIDERS.items():
-                rows.append(dict(dtype=str(dtype).split(".")[1], N=N, provider=name, value=gbs(bench_ms(lambda: fn(x)))))
+                rows.append(dict(case, provider=name, value=gbs(bench_ms(lambda: fn(x)))))
             copy_of_x = torch.empty_like(x)
-            rows.append(dict(dtype=str(dtype).split(".")[1], N=N, provider=SAME_SIZE_COPY,
-                             value=gbs(bench_ms(lambda: copy_of_x.copy_(x)))))
+            rows.append(dict(case, provider=SAME_SIZE_COPY, value=gbs(bench_ms(lambda: copy_of_x.copy_(x)))))
             if ON_GPU:
                 torch._dynamo.reset()  # one compiled graph per shape, never the recompile limit
                 compiled = torch.compile(naive_softmax, dynamic=False)
-                rows.append(dict(dtype=str(dtype).split(".")[1], N=N, provider="torch.compile",
-                                 value=gbs(bench_ms(lambda: compiled(x)))))
+                rows.append(dict(case, provider="torch.compile", value=gbs(bench_ms(lambda: compiled(x)))))
     return rows
 
 
@@ -319,66 +519,192 @@ if __name__ == "__main__":
     import pandas as pd
 
     print(describe_platform())
+    dtypes = [torch.float32, torch.bfloat16]
     if ON_GPU:
-        M, sizes, dtypes = 4096, [256, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384], [torch.float32, torch.bfloat16]
+        M, sizes = 4096, [256, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 32768]
     else:
-        M, sizes, dtypes = 64, [64, 200, 781], [torch.float32, torch.bfloat16]
+        M, sizes = 64, [64, 200, 781]
     copy_gbs = copy_bandwidth_gbs()
-    print(f"device copy bandwidth, measured now: {copy_gbs:.0f} GB/s")
+    print(f"device copy bandwidth (large buffer), measured now: {copy_gbs:.0f} GB/s")
     results = pd.DataFrame(run_benchmark(M, sizes, dtypes))
+    table = results.pivot_table(index=["dtype", "N"], columns="provider", values="value", sort=False)
 
 # %%
-# The table gives GB/s; the plot shows the same numbers with the copy bandwidth as a dashed line.
+# The results
+# -----------
+# Every provider's speed in GB/s at each row length, in this run (to 0.1 GB/s on a GPU; the
+# interpreter's tiny figures keep three decimals):
 
-if __name__ == "__main__":
-    pd.set_option("display.width", 200)
-    table = results.pivot_table(index=["dtype", "N"], columns="provider", values="value", sort=False)
-    fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.2), sharey=True, squeeze=False)
-    for ax, (dtype, part) in zip(axes[0], table.groupby(level="dtype", sort=False)):
-        part = part.droplevel("dtype")
-        part.drop(columns=SAME_SIZE_COPY).plot(ax=ax, marker="o", logx=True)
-        part[SAME_SIZE_COPY].plot(ax=ax, color="gray", linestyle=":", marker=".", logx=True)
-        ax.axhline(copy_gbs, color="black", linestyle="--", label="copy bandwidth (256 MiB)")
-        ax.set(title=f"softmax, M = {M}, {dtype}", xlabel="N (row length)", ylabel="GB/s", ylim=(0, None))
-        ax.set_xticks(sizes, [str(n) for n in sizes], rotation=45, minor=False)
-        ax.minorticks_off()
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    plt.show()
-    table.round(1)
+table.rename(columns=lambda name: f"{name} [GB/s]").round(1 if ON_GPU else 3) if __name__ == "__main__" else None
 
 # %%
 # What the numbers say
 # --------------------
-# The sentences below are computed from the table above, in this run.
+# Computed from the table just above, in this run.
 
 if __name__ == "__main__":
-    ours = "Triton (this tutorial)"
-    peers = [c for c in table.columns if c not in (ours, "naive PyTorch", SAME_SIZE_COPY)]
-    best_peer = table[peers].max(axis=1)
-    speedup = table[ours] / best_peer
-    naive_ratio = table[ours] / table["naive PyTorch"]
+    peers = [c for c in table.columns if c not in (ONE_ROW, PERSISTENT, "naive PyTorch", SAME_SIZE_COPY)]
     at = lambda key: f"{key[0]}, N = {key[1]}"  # noqa: E731
-    print(f"Triton vs. the best of {', '.join(peers)}: from {speedup.min():.2f}x "
+    persistence = table[PERSISTENT] / table[ONE_ROW]
+    print(f"What persistence buys: persistent row tiles run at {persistence.min():.2f}x (at {at(persistence.idxmin())})"
+          f" to {persistence.max():.2f}x (at {at(persistence.idxmax())}) the speed of one program per row; "
+          f"faster at {(persistence > 1).sum()} of {len(persistence)} sizes.")
+    speedup = table[PERSISTENT] / table[peers].max(axis=1)
+    print(f"Persistent Triton vs. the best of {', '.join(peers)}: from {speedup.min():.2f}x "
           f"(at {at(speedup.idxmin())}) to {speedup.max():.2f}x (at {at(speedup.idxmax())}).")
-    print(f"Triton vs. naive PyTorch: {naive_ratio.min():.1f}x to {naive_ratio.max():.1f}x "
+    naive_ratio = table[PERSISTENT] / table["naive PyTorch"]
+    print(f"Persistent Triton vs. naive PyTorch: {naive_ratio.min():.1f}x to {naive_ratio.max():.1f}x "
           f"(the byte count predicts about 4x on a GPU).")
-    fraction = table[ours] / copy_gbs
-    print(f"Triton reaches {fraction.min():.0%} (at {at(fraction.idxmin())}) to {fraction.max():.0%} "
-          f"(at {at(fraction.idxmax())}) of the copy bandwidth.")
-    same = table[ours] / table[SAME_SIZE_COPY]
+    fraction = table[PERSISTENT] / copy_gbs
+    print(f"Persistent Triton reaches {fraction.min():.0%} (at {at(fraction.idxmin())}) to {fraction.max():.0%} "
+          f"(at {at(fraction.idxmax())}) of the large-buffer copy bandwidth.")
     small = table[SAME_SIZE_COPY] / copy_gbs
+    same = table[PERSISTENT] / table[SAME_SIZE_COPY]
     print(f"A copy of the same tensor reaches {small.min():.0%} (at {at(small.idxmin())}) to {small.max():.0%} of the "
-          f"large-buffer bandwidth; against it, Triton reaches {same.min():.0%} to {same.max():.0%}.")
+          f"large-buffer bandwidth; against it, persistent Triton reaches {same.min():.0%} to {same.max():.0%}, "
+          f"above 100% at {(same > 1).sum()} of {len(same)} sizes.")
     if not ON_GPU:
         print("These are interpreter timings: the ratios measure NumPy on the CPU, not GPU kernels.")
     save_results("01-fused-softmax", [{
         "name": "softmax, M = %d" % M, "unit": "GB/s", "ceiling_name": "copy bandwidth", "ceiling": copy_gbs,
-        "ours": [ours], "peers": peers, "rows": results.to_dict("records")}])
+        "ours": [PERSISTENT, ONE_ROW], "peers": peers, "rows": results.to_dict("records")}])
 
 # %%
-# On a GPU, expect the fused kernel to be a few times faster than the naive version, as the byte
-# count predicts, and to sit close to the copy bandwidth once rows are long enough to keep the
-# memory system busy. What is left between a kernel and the dashed line is the cost of starting
-# and finishing each tile: loads cannot start before the program knows its addresses, and the
-# store of a row waits for its reductions.
+# How close to the memory system?
+# -------------------------------
+# The same numbers as the results table above, one panel per dtype. The dashed line is the
+# large-buffer copy bandwidth, drawn behind the curves; the dotted grey curve is the copy of the
+# same tensor.
+
+if __name__ == "__main__":
+    plt.rcParams.update({"font.size": 10, "axes.titlesize": 11, "legend.fontsize": 9,
+                         "xtick.labelsize": 9, "ytick.labelsize": 9})
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(9, 4.6), sharey=True, squeeze=False)
+    for ax, (dtype, part) in zip(axes[0], table.groupby(level="dtype", sort=False)):
+        part = part.droplevel("dtype")
+        ax.axhline(copy_gbs, color="black", linestyle="--", linewidth=1, zorder=1,
+                   label="copy bandwidth (large buffer)")
+        part[SAME_SIZE_COPY].plot(ax=ax, color="gray", linestyle=":", marker=".", logx=True, zorder=2)
+        part.drop(columns=SAME_SIZE_COPY).plot(ax=ax, marker="o", markersize=4, logx=True, zorder=3)
+        ax.set(title=dtype, xlabel="N (row length)", ylabel="GB/s", ylim=(0, None))
+        ax.set_xticks(sizes, [str(n) for n in sizes], rotation=45, minor=False)
+        ax.minorticks_off()
+        ax.get_legend().remove()
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, frameon=False)
+    fig.suptitle(f"Softmax, M = {M} rows: speed against the copy bandwidth")
+    fig.tight_layout(rect=(0, 0.14, 1, 1))
+    plt.show()
+
+# %%
+# What does persistence buy?
+# --------------------------
+# The ratio of the two Triton kernels at each size: above the line at 1, the persistent kernel
+# over row tiles is faster than one program per row.
+
+if __name__ == "__main__":
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    ax.axhline(1, color="black", linestyle="--", linewidth=1, zorder=1, label="equal speed")
+    for dtype, ratio in persistence.groupby(level="dtype", sort=False):
+        ratio.droplevel("dtype").plot(ax=ax, marker="o", logx=True, zorder=3, label=dtype)
+    ax.set(title="persistent row tiles / one program per row", xlabel="N (row length)", ylabel="speed ratio")
+    ax.set_xticks(sizes, [str(n) for n in sizes], rotation=45, minor=False)
+    ax.minorticks_off()
+    ax.legend()
+    fig.tight_layout()
+    plt.show()
+
+# %%
+# On a GPU, expect the fused kernels to be a few times faster than the naive version, as the byte
+# count predicts, and to come close to the copy bandwidth once rows are long enough to keep the
+# memory system busy; the lines printed under the table say how close they came in this run, and
+# how much of the gap between the two Triton kernels persistence closed. What is left between a
+# kernel and the dashed line is the cost of starting and finishing each tile: loads cannot start
+# before the program knows its addresses, and the store of a row waits for its reductions.
+#
+# Exercises
+# ---------
+# Each exercise comes with a check: pass it your function and it runs it on fresh random inputs of
+# irregular shapes in fp32, fp16 and bf16 (and a strided view), compares with a float64 reference
+# with ``torch.testing.assert_close`` (so ``NaN`` fails), and either raises ``AssertionError``
+# saying what is wrong or prints one line saying the function passed. Solutions are not given here.
+#
+# 1. **Masked softmax.** Attention over padded sequences ignores the keys past each row's length.
+#    Write ``masked_softmax(x, lengths)`` as a Triton kernel: ``x`` is (M, N), ``lengths`` an
+#    int32 tensor of M lengths between 1 and N; row ``i`` is the softmax of its first
+#    ``lengths[i]`` columns, and the columns past it are exactly 0. Check it with
+#    ``check_masked_softmax(masked_softmax)``.
+# 2. **Log-softmax and its backward.** Write ``log_softmax(x)``, :math:`x_i - m - \log \sum_j
+#    e^{x_j - m}`, as a forward kernel and a backward kernel wired together with
+#    ``torch.autograd.Function``. Derive the backward the way this lesson derived softmax's (hint:
+#    it needs only the saved output and one sum per row). Check it with
+#    ``check_log_softmax(log_softmax)``, which also compares the gradient with float64 autograd.
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _exercise_inputs():
+    """Fresh random (name, leaf tensor, index) cases: the input is leaf[index], some of them strided."""
+    everything = (slice(None), slice(None))
+    for dtype in SUPPORTED_DTYPES:
+        for M, N in [(1, 1), (1, 300), (7, 1), (5, 257), (37, 100)]:
+            yield f"{M}x{N} {str(dtype)[6:]}", (torch.randn(M, N, device=DEVICE) * 4).to(dtype), everything
+        yield f"13x200 {str(dtype)[6:]} strided view", (torch.randn(13, 300, device=DEVICE) * 4).to(dtype), \
+            (slice(None), slice(7, 207))
+
+
+def _expect_close(exercise, case, what, got, expected, dtype, atol):
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape or got.dtype != dtype:
+        shown = f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else type(got).__name__
+        raise AssertionError(f"{exercise} on {case}: {what} should be a {tuple(expected.shape)} {dtype} tensor, "
+                             f"got {shown}")
+    try:
+        torch.testing.assert_close(got.double(), expected, rtol=TOLERANCE[dtype], atol=atol)
+    except AssertionError as error:
+        raise AssertionError(f"{exercise} on {case}: {what} differs from the float64 reference.\n{error}") from None
+
+
+def check_masked_softmax(fn):
+    """Check fn(x, lengths) -> softmax of each row's first lengths[i] columns, exactly 0 past them."""
+    count = 0
+    for case, leaf, index in _exercise_inputs():
+        x = leaf[index]
+        M, N = x.shape
+        lengths = torch.randint(1, N + 1, (M,), device=DEVICE, dtype=torch.int32)
+        lengths[-1] = 1  # a one-element row and, where there is room for both, a full one
+        lengths[0] = N
+        keep = torch.arange(N, device=DEVICE)[None, :] < lengths[:, None]
+        expected = torch.softmax(x.double().masked_fill(~keep, -float("inf")), dim=1)
+        y = fn(x, lengths)
+        _expect_close("masked_softmax", case, "the output", y, expected, x.dtype, TOLERANCE[x.dtype] * 1e-2)
+        if (y[~keep] != 0).any():
+            raise AssertionError(f"masked_softmax on {case}: columns past a row's length must be exactly 0")
+        count += 1
+    print(f"masked_softmax passed on {count} fresh inputs (irregular shapes, fp32/fp16/bf16, strided views).")
+
+
+def check_log_softmax(fn):
+    """Check fn(x) -> log_softmax(x) along rows, and its gradient, against float64 autograd."""
+    count = 0
+    for case, leaf, index in _exercise_inputs():
+        leaf[0] += 100  # e^100 overflows fp32 and fp16: the row maximum must be subtracted first
+        leaf.requires_grad_()
+        x = leaf[index]
+        y = fn(x)
+        x64 = x.detach().double().requires_grad_()
+        expected = torch.log_softmax(x64, dim=1)
+        _expect_close("log_softmax", case, "the output", y, expected.detach(), x.dtype, TOLERANCE[x.dtype])
+        if y.grad_fn is None:
+            raise AssertionError(f"log_softmax on {case}: the output has no autograd graph although x requires a "
+                                 "gradient; wire the kernels together with torch.autograd.Function")
+        dy = torch.randn(y.shape, device=DEVICE).to(y.dtype)
+        y.backward(dy)
+        expected.backward(dy.double())
+        if leaf.grad is None:
+            raise AssertionError(f"log_softmax on {case}: x received no gradient")
+        scale = 1 + x64.grad.abs().max().item()
+        _expect_close("log_softmax", case, "the gradient", leaf.grad[index], x64.grad, x.dtype,
+                      TOLERANCE[x.dtype] * scale)
+        count += 1
+    print(f"log_softmax passed on {count} fresh inputs, output and gradient "
+          "(irregular shapes, fp32/fp16/bf16, strided views).")

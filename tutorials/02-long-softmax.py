@@ -13,9 +13,12 @@ You will learn:
 * the three-pass softmax (max, sum, normalize) and the bytes it moves;
 * the online softmax of Milakov and Gimelshein (2018), derived step by step: a running maximum
   with a rescaled running sum, in two passes;
-* why ``exp2`` with :math:`\\log_2 e` folded into the input is the exponential to use;
+* the *combine step* that merges two partial softmax states, which split-K decoding kernels
+  reuse;
+* what ``exp2`` really saves over ``exp``, read from the instructions the compiler emits;
 * how far a single program can stretch before a row must leave the chip, and how several programs
   can share one row so that it is still read only once;
+* how to give chunked kernels a backward pass that works for rows of any length;
 * how each compares with ``torch.softmax`` and ``torch.compile``, as fractions of the copy
   bandwidth.
 """
@@ -44,9 +47,11 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 # ----------------------------------
 # A Triton program runs on one streaming multiprocessor (SM). Everything it holds at once lives in
 # that SM's registers (64K 32-bit registers, 256 KiB, on an H100) and shared memory (up to 228 KiB).
-# A row of :math:`N = 65{,}536` fp32 values is 256 KiB: it cannot sit in one program's registers
-# next to the temporaries the math needs, and the compiler *spills* the rest to local memory, which
-# is device memory behind the caches. Past that point, a kernel must walk the row in chunks of
+# A program has at most 1,024 threads, so at most 64 registers per thread when it takes the whole
+# SM. A row of :math:`N = 65{,}536` fp32 values is 256 KiB, 64 values per thread: it cannot sit in
+# one program's registers next to the addresses and temporaries the math needs, and the compiler
+# *spills* the rest to local memory, which is device memory behind the caches. Half that row fits;
+# where exactly the limit falls is measured below. Past it, a kernel must walk the row in chunks of
 # ``BLOCK_N`` elements. The price: a softmax needs the row's maximum and sum before it can write a
 # single output, so each chunk must be read more than once.
 #
@@ -57,9 +62,27 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 # :math:`y_j = e^{x_j - m} / d`. That is :math:`3MN` elements read and :math:`MN` written: half the
 # speed of an ideal one-pass kernel, before anything else goes wrong.
 #
-# Two details make every kernel below cheaper. First, the exponential: GPUs have a hardware
-# instruction for :math:`2^x`, and :math:`e^x = 2^{x \log_2 e}`, so each exponential becomes
-# ``exp2((x - m) * log2(e))``. The order matters: it is tempting to scale :math:`x` by
+# Two details are shared by every kernel below. First, the exponential. GPUs have a hardware
+# instruction for :math:`2^x` (``ex2.approx`` in PTX, ``MUFU.EX2`` in machine code), and
+# :math:`e^x = 2^{x \log_2 e}`, so the kernels write ``exp2((x - m) * log2(e))``. That saves less
+# than it seems. Compiled without a GPU for an H100 (sm_90), with Triton 3.6.0 (ptxas 12.8) and
+# Triton 3.9.0 (ptxas 13.4) alike, ``tl.exp(x)`` already becomes a multiply by :math:`\log_2 e`
+# followed by ``ex2.approx.f32``: the very multiply that ``exp2(x * LOG2E)`` spells out. Two
+# differences remain, and only two:
+#
+# * ``tl.exp2`` emits the flush-to-zero form, ``ex2.approx.ftz.f32``, which ptxas turns into one
+#   ``MUFU.EX2``. The ``ex2.approx.f32`` of ``tl.exp`` gets a compare and two predicated multiplies
+#   around it per element, which compute results below :math:`2^{-126}` (subnormals) correctly.
+#   Flushing them to zero moves a softmax output by less than :math:`1.2 \times 10^{-38}`.
+# * when a kernel multiplies its input anyway, as attention does with its scale, :math:`\log_2 e`
+#   folds into that constant: ``tl.exp(s * scale)`` is two multiplies per element,
+#   ``tl.exp2(s * (scale * LOG2E))`` one.
+#
+# This lesson has no other multiply, so per element its kernels run one subtract, one multiply and
+# one ``MUFU.EX2``, where ``tl.exp(x - m)`` would add the compare and two multiplies. The kernels
+# are memory-bound, and whether those instructions show in their time is not measured here.
+#
+# The order of subtract and multiply matters: it is tempting to scale :math:`x` by
 # :math:`\log_2 e` as soon as it is loaded and subtract a scaled maximum later, but for logits
 # near :math:`10^4` the product is rounded to fp32's spacing there (about :math:`10^{-3}`), and
 # that rounding becomes a :math:`10^{-3}` relative error in every output. Subtracting first is
@@ -120,6 +143,23 @@ def three_pass_kernel(x_ptr, y_ptr, N, x_row_stride, x_col_stride, y_row_stride,
 # Per lane, the same update runs on a vector of partial states; at the end, the lanes are merged
 # with the same rule: :math:`m = \max_\ell m_\ell` and :math:`d = \sum_\ell d_\ell e^{m_\ell - m}`.
 #
+# That rule deserves a name, because it is the piece of the online softmax that everything later
+# reuses. For the states of two disjoint parts :math:`a` and :math:`b` of a row,
+#
+# .. math::
+#
+#    (m_a, d_a) \oplus (m_b, d_b) = \left(m,\; d_a e^{m_a - m} + d_b e^{m_b - m}\right),
+#    \qquad m = \max(m_a, m_b).
+#
+# This is **the combine step**. It is exact and associative, so parts can be merged in any order
+# and grouping: one element at a time (the update above), lane by lane at the end of a loop, or
+# program by program. Decoding kernels for attention (split-K, also called flash-decoding) use
+# exactly this step: several programs each walk part of a long key sequence and leave a partial
+# :math:`(m, d, \mathit{acc})`, where :math:`\mathit{acc} = \sum e^{x - m} v` is rescaled by
+# :math:`e^{m_a - m}` just like :math:`d`, and a last step merges the partials. The split-row
+# kernel below merges the states of several programs the same way, and the second exercise at the
+# end asks for the decoding merge.
+#
 # One trap: a lane that has seen only :math:`-\infty` (masked padding, or genuine ``-inf`` logits)
 # has :math:`m_\ell = -\infty`, and :math:`e^{m_\ell - m_\ell}` is :math:`e^{-\infty + \infty}`,
 # ``NaN``. The kernel rescales against a maximum that is replaced by 0 while it is still
@@ -160,7 +200,7 @@ def online_softmax_kernel(x_ptr, y_ptr, N, x_row_stride, x_col_stride, y_row_str
 # program only if that program takes the whole SM: 32 warps (1,024 threads), each thread holding
 # a few dozen elements in registers. Then the row is read once and written once, like the fused
 # kernel. How long a row can get before this kernel spills is a question for the compiler and the
-# GPU, so the benchmark below measures it rather than guessing.
+# GPU, so the section "Where a row stops fitting on chip", after the benchmark, asks them.
 
 
 @triton.jit
@@ -176,15 +216,60 @@ def row_on_chip_kernel(x_ptr, y_ptr, N, x_row_stride, x_col_stride, y_row_stride
 
 
 # %%
+# The backward, for rows of any length
+# ------------------------------------
+# Every launcher below returns a tensor that autograd can differentiate. The math is lesson 01's:
+# the Jacobian of a softmax row is :math:`\operatorname{diag}(y) - y\,y^\top`, so
+# :math:`dx = y \circ \big(dy - \operatorname{rowsum}(dy \circ y)\big)`, which needs only the
+# saved output :math:`y`. What changes is that a long row no longer fits in registers, so the
+# backward walks it in chunks, like the forward: one loop for the row's dot product of :math:`dy`
+# and :math:`y` (kept per lane, reduced once), one loop to write :math:`dx`. It reads :math:`y` and
+# :math:`dy` twice, where lesson 01's fused backward reads them once, and in exchange it handles
+# rows of any length with one kernel, whichever forward produced :math:`y`.
+
+
+@triton.jit
+def softmax_backward_kernel(y_ptr, dy_ptr, dx_ptr, N, dy_row_stride, dy_col_stride, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    y_row = y_ptr + row * N  # y and dx are contiguous: the launchers allocate them
+    dx_row = dx_ptr + row * N
+    dy_row = dy_ptr + row * dy_row_stride
+    cols = tl.arange(0, BLOCK_N)
+    # Pass 1: the dot product of y and dy, per lane, then across lanes. Padding adds 0.
+    lane_dot = tl.zeros([BLOCK_N], tl.float32)
+    for start in tl.range(0, N, BLOCK_N):
+        mask = start + cols < N
+        y = tl.load(y_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_row + (start + cols) * dy_col_stride, mask=mask, other=0.0).to(tl.float32)
+        lane_dot += y * dy
+    dot = tl.sum(lane_dot, axis=0)
+    # Pass 2: dx = y * (dy - dot).
+    for start in tl.range(0, N, BLOCK_N):
+        mask = start + cols < N
+        y = tl.load(y_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_row + (start + cols) * dy_col_stride, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dx_row + start + cols, (y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+# %%
 # The launch helpers
 # ------------------
 # One program per row: with :math:`M = 4096` rows there are many more programs than SMs, so the
 # hardware scheduler keeps every SM busy without a persistent loop. The chunk is 4,096 elements
 # processed by 8 warps (16 elements per thread); ``block_n`` lets the tests force tiny chunks so
-# that the loops run many times.
+# that the loops run many times. A chunk must be a power of two, since Triton's block shapes are;
+# a bad ``block_n`` is refused here by name, rather than by the interpreter deep inside the kernel
+# with a message about ``arange``. As in lesson 01, a *negative view* (``torch._neg_view(x)``, or
+# ``x.conj().imag`` of a complex tensor) is resolved first: it shares memory with the un-negated
+# values and only carries a flag that a kernel, reading raw memory, would never see.
+#
+# The autograd wrapper is lesson 01's, with this lesson's backward kernel: ``forward`` runs a
+# launcher and saves :math:`y`, ``backward`` runs the kernel above, and the wrapper is skipped when
+# no graph is wanted, so that calls without one, such as the benchmark's, pay nothing for it.
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ROW_ON_CHIP_LIMIT = 32768  # longest row (elements) row_on_chip_kernel is launched for
+MAX_BLOCK = 2 ** 20  # the most elements Triton allows in one block
 
 
 def check_input(x):
@@ -201,8 +286,52 @@ def check_input(x):
         raise ValueError(f"x is on device '{x.device}', but Triton runs these kernels on '{DEVICE.type}' here")
 
 
-def _launch(kernel, x, block_n, num_warps):
+def _check_block(name, value):
+    """Refuse a chunk size that is not a power of two Triton accepts as a block, naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int (a power of two), got {value!r} of type {type(value).__name__}")
+    if not 1 <= value <= MAX_BLOCK or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two from 1 to {MAX_BLOCK}, got {value}")
+
+
+def _prepare(x):
     check_input(x)
+    # Conjugate views exist only for complex tensors, which check_input refuses; negative views remain.
+    return x.resolve_neg()
+
+
+def softmax_backward(y, dy, block_n):
+    """dx = y * (dy - rowsum(dy * y)) for a contiguous softmax output y, in chunks of at most block_n."""
+    dy = dy.resolve_neg()
+    M, N = y.shape
+    dx = torch.empty_like(y)
+    softmax_backward_kernel[(M,)](y, dy, dx, N, dy.stride(0), dy.stride(1),
+                                  BLOCK_N=min(block_n, triton.next_power_of_2(N)), num_warps=8)
+    return dx
+
+
+class _Softmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, launch, block_n):
+        y = launch(x)
+        ctx.save_for_backward(y)
+        ctx.block_n = block_n
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        return softmax_backward(y, dy, ctx.block_n), None, None
+
+
+def _differentiable(launch, x, block_n=4096):
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Softmax.apply(x, launch, block_n)
+    return launch(x)
+
+
+def _launch(kernel, x, block_n, num_warps):
     M, N = x.shape
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     kernel[(M,)](x, y, N, x.stride(0), x.stride(1), y.stride(0), BLOCK_N=block_n, num_warps=num_warps)
@@ -211,21 +340,27 @@ def _launch(kernel, x, block_n, num_warps):
 
 def three_pass_softmax(x, block_n=4096):
     """Row-wise softmax, walking each row three times in chunks of block_n (a power of two)."""
-    return _launch(three_pass_kernel, x, block_n, num_warps=8)
+    x = _prepare(x)
+    _check_block("block_n", block_n)
+    return _differentiable(lambda t: _launch(three_pass_kernel, t, block_n, num_warps=8), x, block_n)
 
 
 def online_softmax(x, block_n=4096):
     """Row-wise softmax, walking each row twice with the online max-and-sum update."""
-    return _launch(online_softmax_kernel, x, block_n, num_warps=8)
+    x = _prepare(x)
+    _check_block("block_n", block_n)
+    return _differentiable(lambda t: _launch(online_softmax_kernel, t, block_n, num_warps=8), x, block_n)
 
 
 def row_on_chip_softmax(x):
     """Row-wise softmax reading each row once; rows up to ROW_ON_CHIP_LIMIT elements."""
-    check_input(x)
+    x = _prepare(x)
     if x.shape[1] > ROW_ON_CHIP_LIMIT:
-        raise ValueError(f"row_on_chip_softmax holds a row in registers: at most {ROW_ON_CHIP_LIMIT} columns, got {x.shape[1]}")
+        raise ValueError(f"row_on_chip_softmax holds a row in registers: at most {ROW_ON_CHIP_LIMIT} columns, "
+                         f"got {x.shape[1]}")
     block_n = triton.next_power_of_2(x.shape[1])
-    return _launch(row_on_chip_kernel, x, block_n, num_warps=max(1, min(32, block_n // 32)))
+    num_warps = max(1, min(32, block_n // 32))
+    return _differentiable(lambda t: _launch(row_on_chip_kernel, t, block_n, num_warps), x)
 
 
 # %%
@@ -236,7 +371,7 @@ def row_on_chip_softmax(x):
 # it. Each of ``SPLITS`` programs holds one chunk of the row in registers and computes the chunk's
 # maximum :math:`m_c` and sum :math:`d_c = \sum e^{x - m_c}`. It publishes the pair to a small
 # buffer in device memory and increments the row's *arrival counter*, then waits until the counter
-# shows every chunk has arrived. It merges all the pairs with the online-softmax rule,
+# shows every chunk has arrived. It merges all the pairs with the combine step,
 # :math:`m = \max_c m_c`, :math:`d = \sum_c d_c\, e^{m_c - m}`, and normalizes the chunk it still
 # holds. Each element is read once and written once, like the fused kernel, for rows of any length
 # that the whole GPU can hold.
@@ -312,9 +447,7 @@ def _programs_that_fit(args, meta, num_warps):
     return _resident[key]
 
 
-def split_row_softmax(x, chunk=None, num_warps=None):
-    """Row-wise softmax reading each row once, any length: SPLITS programs share a row on a GPU."""
-    check_input(x)
+def _split_row(x, chunk, num_warps):
     M, N = x.shape
     chunk = chunk or (SPLIT_CHUNK if ON_GPU else triton.next_power_of_2(N))
     splits = triton.cdiv(N, chunk)
@@ -337,6 +470,14 @@ def split_row_softmax(x, chunk=None, num_warps=None):
     return y
 
 
+def split_row_softmax(x, chunk=None, num_warps=None):
+    """Row-wise softmax reading each row once, any length: SPLITS programs share a row on a GPU."""
+    x = _prepare(x)
+    if chunk is not None:
+        _check_block("chunk", chunk)
+    return _differentiable(lambda t: _split_row(t, chunk, num_warps), x)
+
+
 def long_softmax(x):
     """The best of this lesson's kernels for the row length: one program per row while a row fits
     in one SM, otherwise programs that share a row (on a GPU) or the two-pass online kernel."""
@@ -349,20 +490,28 @@ def long_softmax(x):
 # %%
 # Correctness
 # -----------
-# Check all three against a float64 reference on an irregular shape, with chunks small enough that
-# the loops run many times and the last chunk is ragged.
+# Check all four kernels against a float64 reference on an irregular shape, with chunks small
+# enough that the loops run many times and the last chunk is ragged, values and gradients alike.
+# ``torch.testing.assert_close`` compares element by element, so a single ``NaN`` fails.
 
 if __name__ == "__main__":
     torch.manual_seed(0)
     x = torch.randn(37, 5001, device=DEVICE) * 10
-    reference = torch.softmax(x.double(), dim=1)
+    dy = torch.randn(37, 5001, device=DEVICE)
+    x64 = x.double().requires_grad_()
+    reference = torch.softmax(x64, dim=1)
+    reference.backward(dy.double())
     for name, fn in [("three-pass", lambda t: three_pass_softmax(t, block_n=512)),
                      ("online", lambda t: online_softmax(t, block_n=512)),
                      ("row on chip", row_on_chip_softmax),
                      ("split row", lambda t: split_row_softmax(t, chunk=512 if ON_GPU else None))]:
-        error = (fn(x).double() - reference).abs().max().item()
-        print(f"{name:12s} max abs error vs float64 on 37x5001: {error:.2e}")
-        assert error < 1e-6, (name, error)
+        leaf = x.clone().requires_grad_()
+        y = fn(leaf)
+        y.backward(dy)
+        torch.testing.assert_close(y.double(), reference.detach(), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(leaf.grad.double(), x64.grad, rtol=1e-5, atol=1e-6)
+        print(f"{name:12s} 37x5001 fp32 vs float64: max abs error {(y.double() - reference).abs().max().item():.2e}, "
+              f"gradient {(leaf.grad.double() - x64.grad).abs().max().item():.2e}")
 
 # %%
 # Benchmark
@@ -431,7 +580,8 @@ def run_benchmark(M, sizes, dtypes):
             x = torch.randn(M, N, device=DEVICE, dtype=dtype)
             gbs = lambda ms: 2 * x.numel() * x.element_size() / ms * 1e-6  # noqa: E731
             case = dict(dtype=str(dtype).split(".")[1], N=N)
-            providers = {name: fn for name, fn in OURS.items() if N <= ROW_ON_CHIP_LIMIT or fn is not row_on_chip_softmax}
+            providers = {name: fn for name, fn in OURS.items()
+                         if N <= ROW_ON_CHIP_LIMIT or fn is not row_on_chip_softmax}
             providers["torch.softmax"] = lambda t: torch.softmax(t, dim=1)
             if ON_GPU:
                 torch._dynamo.reset()
@@ -455,23 +605,21 @@ if __name__ == "__main__":
     print(f"device copy bandwidth, measured now: {copy_gbs:.0f} GB/s")
     results = pd.DataFrame(run_benchmark(M, sizes, dtypes))
     table = results.pivot_table(index=["dtype", "N"], columns="provider", values="value", sort=False)
-    fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.2), sharey=True, squeeze=False)
-    for ax, (dtype, part) in zip(axes[0], table.groupby(level="dtype", sort=False)):
-        part.droplevel("dtype").plot(ax=ax, marker="o", logx=True)
-        ax.axhline(copy_gbs, color="black", linestyle="--", label="copy bandwidth")
-        ax.set(title=f"long-row softmax, M = {M}, {dtype}", xlabel="N (row length)", ylabel="GB/s", ylim=(0, None))
-        ax.set_xticks(sizes, [str(n) for n in sizes], minor=False)
-        ax.minorticks_off()
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    plt.show()
-    table.round(1)
+
+# %%
+# The results
+# -----------
+# Every provider's speed in GB/s at each row length, in this run (empty where a kernel does not
+# run: the row-on-chip kernel stops at ``ROW_ON_CHIP_LIMIT``; to 0.1 GB/s on a GPU, three decimals
+# for the interpreter's tiny figures):
+
+table.rename(columns=lambda name: f"{name} [GB/s]").round(1 if ON_GPU else 3) if __name__ == "__main__" else None
 
 # %%
 # What the numbers say
 # --------------------
-# Computed from the table above, in this run: for each row length, the fastest of this lesson's
-# kernels, its speed relative to the best of the PyTorch peers, and its share of the copy
+# Computed from the table just above, in this run: for each row length, the fastest of this
+# lesson's kernels, its speed relative to the best of the PyTorch peers, and its share of the copy
 # bandwidth. The byte counts predict at most 1/2 of the copy bandwidth for three passes, 2/3 for
 # two (a pass that re-reads data still in the L2 cache can do a little better), and all of it for
 # the one-pass kernels.
@@ -489,3 +637,133 @@ if __name__ == "__main__":
     save_results("02-long-softmax", [{
         "name": f"long-row softmax, M = {M}", "unit": "GB/s", "ceiling_name": "copy bandwidth", "ceiling": copy_gbs,
         "ours": list(OURS), "peers": peers, "rows": results.to_dict("records")}])
+
+# %%
+# How close to the copy bandwidth?
+# --------------------------------
+# The same numbers as the results table above, one panel per dtype. The dashed line is the copy
+# bandwidth, drawn behind the curves so that a kernel running at it stays visible.
+
+if __name__ == "__main__":
+    plt.rcParams.update({"font.size": 10, "axes.titlesize": 11, "legend.fontsize": 9,
+                         "xtick.labelsize": 9, "ytick.labelsize": 9})
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(9, 4.6), sharey=True, squeeze=False)
+    for ax, (dtype, part) in zip(axes[0], table.groupby(level="dtype", sort=False)):
+        ax.axhline(copy_gbs, color="black", linestyle="--", linewidth=1, zorder=1, label="copy bandwidth")
+        part.droplevel("dtype").plot(ax=ax, marker="o", markersize=4, logx=True, zorder=3)
+        ax.set(title=dtype, xlabel="N (row length)", ylabel="GB/s", ylim=(0, None))
+        ax.set_xticks(sizes, [str(n) for n in sizes], rotation=45, minor=False)
+        ax.minorticks_off()
+        ax.get_legend().remove()
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, frameon=False)
+    fig.suptitle(f"Long-row softmax, M = {M} rows: speed against the copy bandwidth")
+    fig.tight_layout(rect=(0, 0.14, 1, 1))
+    plt.show()
+
+# %%
+# Where a row stops fitting on chip
+# ---------------------------------
+# Lesson 01 argued from the register file: a program of 1,024 threads has at most 64 registers per
+# thread, so a row of 32,768 fp32 values (32 per thread) fits with room for temporaries, and one of
+# 65,536 (64 per thread) cannot. On a GPU, this cell compiles the row-on-chip kernel with 32 warps
+# for rows of 16,384, 32,768 and 65,536 fp32 values (it launches the kernel directly, past the
+# launcher's limit) and prints what the compiler gave it, registers and local memory (spills) per
+# thread, and its speed on :math:`M = 4096` rows. Without a GPU there is no compiled kernel to ask.
+# Compiled offline for sm_90 with Triton 3.6 and 3.9, in fp32 and bf16, it used 42 to 48, 54 to 56,
+# and 64 registers per thread for those three lengths, and spilled only at 65,536 (268 to 456 bytes
+# of spill stores per thread).
+
+if __name__ == "__main__" and ON_GPU:
+    for block_n in (16384, 32768, 65536):
+        x = torch.randn(4096, block_n, device=DEVICE)
+        y = torch.empty_like(x)
+        args = (x, y, block_n, x.stride(0), x.stride(1), y.stride(0))
+        compiled = row_on_chip_kernel.warmup(*args, BLOCK_N=block_n, num_warps=32, grid=(1,))
+        compiled._init_handles()
+        ms = bench_ms(lambda: row_on_chip_kernel[(4096,)](*args, BLOCK_N=block_n, num_warps=32))
+        print(f"N = {block_n:6d}: {compiled.n_regs} registers and {4 * compiled.n_spills} bytes of local memory "
+              f"per thread; {2 * x.numel() * 4 / ms * 1e-6 / copy_gbs:.0%} of the copy bandwidth")
+elif __name__ == "__main__":
+    print("Registers and spills need a kernel compiled for a GPU: see the offline figures in the text above.")
+
+# %%
+# Exercises
+# ---------
+# Each exercise comes with a check: pass it your function and it runs it on fresh random inputs of
+# irregular shapes, compares with a float64 reference with ``torch.testing.assert_close`` (so
+# ``NaN`` fails), and either raises ``AssertionError`` saying what is wrong or prints one line
+# saying the function passed. Solutions are not given here.
+#
+# 1. **Two loops, one state per row.** ``three_pass_kernel`` walks each row three times. Turn it
+#    into a kernel with two loops: the first keeps a single running :math:`(m, d)` for the row and
+#    merges each chunk's own maximum and sum into it with the combine step (one state per row, not
+#    one per lane as in ``online_softmax_kernel``); the second writes the output. Write
+#    ``two_loop_softmax(x, block_n)`` around it and run ``check_two_loop_softmax(two_loop_softmax)``.
+#    It uses chunks of 16 elements, so the loops run many times, and rows whose whole first chunk is
+#    ``-inf``: mind the trap of the online softmax.
+# 2. **The decoding combine.** A split-K (flash-decoding) attention kernel leaves, for each of
+#    :math:`M` rows, :math:`S` partial states :math:`(m_s, d_s, \mathit{acc}_s)`, where
+#    :math:`\mathit{acc}_s = \sum e^{x - m_s} v` is a vector of length :math:`D` over the keys of
+#    split :math:`s`. Write ``merge_partials(m, d, acc)`` as a Triton kernel: ``m`` and ``d`` are
+#    (M, S) fp32, ``acc`` is (M, S, D) fp32 with any strides, and the result is the (M, D) fp32
+#    output :math:`\sum_s e^{m_s - m} \mathit{acc}_s / \sum_s e^{m_s - m} d_s`. Some splits saw only
+#    masked keys: :math:`m_s = -\infty`, :math:`d_s = 0`, :math:`\mathit{acc}_s = 0`. Check it with
+#    ``check_merge_partials(merge_partials)``.
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _expect_close(exercise, case, got, expected, dtype, rtol, atol):
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape or got.dtype != dtype:
+        shown = f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else type(got).__name__
+        raise AssertionError(f"{exercise} on {case}: the output should be a {tuple(expected.shape)} {dtype} tensor, "
+                             f"got {shown}")
+    try:
+        torch.testing.assert_close(got.double(), expected, rtol=rtol, atol=atol)
+    except AssertionError as error:
+        raise AssertionError(f"{exercise} on {case}: the output differs from the float64 reference.\n{error}") from None
+
+
+def check_two_loop_softmax(fn):
+    """Check fn(x, block_n) -> row-wise softmax, run with 16-element chunks on rows that start with -inf."""
+    count = 0
+    for dtype in SUPPORTED_DTYPES:
+        for M, N, strided in [(1, 1, False), (7, 1, False), (1, 300, False), (5, 257, False), (13, 200, True)]:
+            base = torch.randn(M, N + 7 * strided, device=DEVICE) * 10
+            base[0, :20] = -float("inf")  # the whole first chunk of row 0 (and all of it when N <= 20)
+            base[0, -1] = 0.0  # one finite logit per row: an all -inf row has no softmax
+            base[-1, ::3] = -float("inf")
+            base[-1, -1] = 0.0
+            x = base.to(dtype)[:, 7:] if strided else base.to(dtype)
+            case = f"{M}x{N} {str(dtype)[6:]}" + (" strided view" if strided else "")
+            expected = torch.softmax(x.double(), dim=1)
+            _expect_close("two_loop_softmax", case, fn(x, 16), expected, dtype, TOLERANCE[dtype],
+                          TOLERANCE[dtype] * 1e-2)
+            count += 1
+    print(f"two_loop_softmax passed on {count} fresh inputs (irregular shapes, fp32/fp16/bf16, masked "
+          "logits, strided views).")
+
+
+def check_merge_partials(fn):
+    """Check fn(m, d, acc) -> the (M, D) output merged from S partial softmax states per row."""
+    count = 0
+    for M, N, S, D in [(1, 1, 1, 1), (1, 10, 4, 3), (3, 50, 4, 16), (5, 257, 7, 24), (2, 1000, 3, 64)]:
+        x = torch.randn(M, N, device=DEVICE, dtype=torch.float64) * 10
+        v = torch.randn(M, N, D, device=DEVICE, dtype=torch.float64)
+        width = triton.cdiv(N, S)
+        if S > 1:
+            x[0, :width] = -float("inf")  # split 0 of row 0 saw only masked keys
+        x[:, -1] = 0.0  # one key per row stays visible
+        parts = [(x[:, s * width:(s + 1) * width], v[:, s * width:(s + 1) * width]) for s in range(S)]
+        m = torch.stack([p.amax(dim=1) for p, _ in parts], 1)
+        safe = torch.where(m == -float("inf"), 0.0, m)
+        weights = [torch.exp(p - safe[:, s, None]) for s, (p, _) in enumerate(parts)]
+        d = torch.stack([w.sum(dim=1) for w in weights], 1)
+        acc = torch.stack([(w[:, :, None] * pv).sum(dim=1) for w, (_, pv) in zip(weights, parts)], 1)
+        acc = acc.float().transpose(1, 2).contiguous().transpose(1, 2)  # strides (S*D, 1, S), not contiguous
+        expected = torch.einsum("mn,mnd->md", torch.softmax(x, dim=1), v)
+        case = f"M={M}, S={S}, D={D}"
+        _expect_close("merge_partials", case, fn(m.float(), d.float(), acc), expected, torch.float32, 1e-5, 1e-6)
+        count += 1
+    print(f"merge_partials passed on {count} fresh inputs (irregular M, S and D, masked splits, strided acc).")
