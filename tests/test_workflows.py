@@ -1,14 +1,18 @@
 """The GitHub workflows pass actionlint and zizmor, and keep the properties the project relies on."""
 
+import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import yaml
 from conftest import ROOT
 
 WORKFLOWS = sorted((ROOT / ".github" / "workflows").glob("*.yml"))
+DOCS = ROOT / ".github" / "workflows" / "docs.yml"
 LINTER = ROOT / "tools" / "actionlint"
 
 
@@ -39,3 +43,100 @@ def test_untrusted_code_never_reaches_the_gpu_runner():
     assert "pull_request" not in triggers and "workflow_run" not in triggers
     assert "pull_request_target" not in "".join(w.read_text() for w in WORKFLOWS)
     assert "self-hosted" in docs and "concurrency:" in docs
+
+
+def test_each_ref_builds_and_publishes_in_its_own_queue():
+    workflow = yaml.safe_load(DOCS.read_text())
+    jobs = workflow["jobs"]
+    settings = [s for s in [workflow.get("concurrency"), *(job.get("concurrency") for job in jobs.values())] if s]
+    assert jobs["build"].get("concurrency", workflow.get("concurrency")), "the build has no concurrency group"
+    for setting in settings:
+        # GitHub keeps one pending run per group: a group shared by all refs would let a push to main
+        # drop a tag's pending run. A running publish is never cancelled.
+        group = setting["group"] if isinstance(setting, dict) else setting
+        assert re.search(r"\$\{\{\s*github\.ref\s*\}\}", group), group
+        assert not isinstance(setting, dict) or setting.get("cancel-in-progress", False) is False, setting
+
+
+RIVAL = """#!{python}
+# Stands in for python3 in the publish step: while RIVALS lasts, another run pushes a release to
+# gh-pages just before this one publishes, so this one's push is refused.
+import os, subprocess, sys
+from pathlib import Path
+
+attempts = Path("attempts")
+attempt = len(attempts.read_text()) + 1 if attempts.exists() else 1
+attempts.write_text("." * attempt)
+if attempt <= int(os.environ["RIVALS"]):
+    version = f"v0.{{attempt}}.0"
+    def git(*args):
+        subprocess.run(["git", "-C", "rival", *args], check=True, capture_output=True)
+    git("fetch", "-q", "origin", "+refs/heads/gh-pages:refs/remotes/origin/gh-pages")
+    git("reset", "-q", "--hard", "origin/gh-pages")
+    subprocess.run([sys.executable, "src/tools/publish.py", f"builds/{{version}}", "rival", version], check=True)
+    git("add", "--all")
+    git("commit", "-q", "-m", version)
+    git("push", "-q", "origin", "HEAD:gh-pages")
+os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
+"""
+
+
+def site_build(path, label):
+    (path / "_static").mkdir(parents=True)
+    (path / "index.html").write_text(f"<html>{label}</html>")
+    (path / "_static" / "documentation_options.js").write_text(f"const DOCUMENTATION_OPTIONS = {{VERSION: '{label}'}};")
+
+
+def run_publish_step(workspace, rivals):
+    """The publish step's script, run as GitHub runs it, in a workspace laid out as the job lays it
+    out (src, site, html), against a local origin; returns the result and the number of attempts."""
+    env = {**os.environ, "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
+
+    def git(*args, cwd=workspace):
+        subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True)
+
+    git("init", "-q", "--bare", "-b", "gh-pages", "origin.git")
+    origin = (workspace / "origin.git").as_uri()
+    git("clone", "-q", origin, "rival")
+    for key, value in (("user.name", "rival"), ("user.email", "rival@example.com")):
+        git("-C", "rival", "config", key, value)
+    git("-C", "rival", "commit", "-q", "--allow-empty", "-m", "gh-pages starts")
+    git("-C", "rival", "push", "-q", "origin", "HEAD:gh-pages")
+    git("clone", "-q", "--depth=1", "-b", "gh-pages", origin, "site")  # as actions/checkout does
+    (workspace / "src").symlink_to(ROOT)
+    site_build(workspace / "html", "v1.0.0")
+    for n in range(1, 12):
+        site_build(workspace / "builds" / f"v0.{n}.0", f"v0.{n}.0")
+    (workspace / "bin").mkdir()
+    (workspace / "bin" / "python3").write_text(RIVAL.format(python=sys.executable))
+    (workspace / "bin" / "python3").chmod(0o755)
+    steps = yaml.safe_load(DOCS.read_text())["jobs"]["publish"]["steps"]
+    step = next(s for s in steps if "publish.py" in s.get("run", ""))
+    (workspace / "step.sh").write_text(step["run"])
+    env.update({key: str(value) for key, value in step.get("env", {}).items()})
+    env.update(PATH=f"{workspace / 'bin'}{os.pathsep}{env['PATH']}", PUBLISH_AS="v1.0.0", BASE_URL="/repo/",
+               GITHUB_SHA="0" * 40, RIVALS=str(rivals))
+    result = subprocess.run(["bash", "--noprofile", "--norc", "-eo", "pipefail", "step.sh"], cwd=workspace, env=env,
+                            capture_output=True, text=True, timeout=120)
+    return result, len((workspace / "attempts").read_text())
+
+
+def published_versions(workspace):
+    switcher = subprocess.run(["git", "--git-dir", str(workspace / "origin.git"), "show", "gh-pages:switcher.json"],
+                              capture_output=True, text=True, check=True).stdout
+    return [entry["version"] for entry in json.loads(switcher)]
+
+
+def test_publish_step_publishes_again_on_top_of_a_concurrent_push(tmp_path):
+    result, attempts = run_publish_step(tmp_path, rivals=2)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert attempts == 3
+    assert published_versions(tmp_path) == ["v1.0.0", "v0.2.0", "v0.1.0"]
+
+
+def test_publish_step_gives_up_loudly_after_a_bounded_number_of_attempts(tmp_path):
+    result, attempts = run_publish_step(tmp_path, rivals=100)
+    assert result.returncode != 0
+    assert 2 <= attempts <= 10
+    assert "::error::" in result.stdout and "not published" in result.stdout
+    assert published_versions(tmp_path) == [f"v0.{n}.0" for n in range(attempts, 0, -1)]

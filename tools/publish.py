@@ -2,7 +2,8 @@
 
     python tools/publish.py BUILD_DIR GH_PAGES_TREE VERSION [--base-url /repo/] [--force]
 
-VERSION is a release tag ``vX.Y.Z`` or ``main``:
+VERSION is a release tag ``vX.Y.Z`` (ASCII digits, no leading zeros: ``v0.1.0``, not ``v01.1.0``)
+or ``main``:
 
 * a release goes to ``vX.Y.Z/`` and is never rewritten afterwards (unless ``--force``);
 * ``main`` goes to ``dev/`` and replaces what was there;
@@ -14,22 +15,44 @@ VERSION is a release tag ``vX.Y.Z`` or ``main``:
   newest first, ``dev`` on top, the newest release ``preferred``;
 * ``.nojekyll`` keeps GitHub Pages from hiding folders that start with an underscore.
 
-Everything is validated before anything is written, and the new state is assembled beside the tree
-and moved into place at the end; if a step fails, the moves made so far are undone, so the tree is
-left exactly as it was. Folders of other versions are never touched.
+Checks come first, before anything is written: the version; the build (a finished Sphinx build
+labelled with that version, holding only regular files and folders, since a symbolic link would
+publish whatever it points to); the target (the root of a git working tree on branch gh-pages).
+
+Publishes into one tree run one after another: each holds an exclusive lock (flock on
+``gh-pages-publish.lock`` in the tree's git directory, released by the kernel if the process dies)
+and reads the tree's state only once it holds it, so concurrent publishes all land.
+
+The new top-level entries are assembled in ``gh-pages-publish/`` in the tree's git directory: on the
+tree's filesystem, so every move into place is one atomic rename, and never part of what
+``git add --all`` commits. Before the first move, a journal listing the moves is written there.
+A publish that does not finish is rolled back, never completed: on an error it undoes its own moves
+at once; if it dies (killed, out of memory, cancelled job), the next run finds the journal and undoes
+them before doing its own work. Either way the tree returns exactly to its state before that
+publish, so a publish that did not report success has had no effect and can simply be run again.
+Folders of other versions are never touched.
+
+Refusals exit with status 2, failures of the filesystem with status 1; both print one line that
+starts with ``publish:`` on stderr.
 """
 
 import argparse
+import fcntl
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-RELEASE = re.compile(r"v(\d+)\.(\d+)\.(\d+)")
+# [0-9], not \d: \d also matches other scripts' digits, which would name a second folder for one release.
+RELEASE = re.compile(r"v(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)")
 SWITCHER = "switcher.json"
+LOCK = "gh-pages-publish.lock"
+WORK = "gh-pages-publish"
+STAGING, PREVIOUS, JOURNAL = "staging", "previous", "journal.json"
+MAX_DEPTH = 100  # far deeper than any site, far shallower than Python's recursion limit
 
 
 class PublishError(Exception):
@@ -41,7 +64,7 @@ def folder_for(version):
         return "dev"
     if RELEASE.fullmatch(version):
         return version
-    raise PublishError(f"version must be 'main' or a release tag like v1.2.3, got {version!r}")
+    raise PublishError(f"version must be 'main' or a release tag like v1.2.3 (no leading zeros), got {version!r}")
 
 
 def release_key(name):
@@ -51,28 +74,59 @@ def release_key(name):
 def built_version(build):
     """The version the pages were built as (Sphinx writes it into documentation_options.js)."""
     options = build / "_static" / "documentation_options.js"
-    match = re.search(r"VERSION:\s*'([^']*)'", options.read_text()) if options.exists() else None
+    text = options.read_text(errors="replace") if options.is_file() else ""
+    match = re.search(r"VERSION:\s*'([^']*)'", text)
     return match.group(1) if match else None
 
 
-def validate(build, tree, version, force):
-    folder = folder_for(version)
+def refuse_odd_entries(build):
+    """Copying follows no link and reads no pipe or device: anything but files and folders is refused,
+    and so is nesting deep enough to exhaust the recursion of shutil.copytree."""
+    folders = [(build, 0)]
+    while folders:
+        folder, depth = folders.pop()
+        if depth > MAX_DEPTH:
+            raise PublishError(f"{folder} lies more than {MAX_DEPTH} folders deep in the build")
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                if entry.is_symlink():
+                    raise PublishError(f"{entry.path} is a symbolic link; a build may hold only files and folders")
+                if entry.is_dir(follow_symlinks=False):
+                    folders.append((entry.path, depth + 1))
+                elif not entry.is_file(follow_symlinks=False):
+                    raise PublishError(f"{entry.path} is not a regular file or folder")
+
+
+def check_build(build, label):
+    if not build.is_dir():
+        raise PublishError(f"{build} is not a directory")
+    refuse_odd_entries(build)
     if not (build / "index.html").is_file():
         raise PublishError(f"{build} is not a finished site build: it has no index.html")
-    label = "dev" if folder == "dev" else version
     found = built_version(build)
     if found != label:
         raise PublishError(f"{build} was built as version {found!r}, not {label!r}: "
                            f"rebuild with DOCS_VERSION={label}")
-    if not tree.is_dir():
-        raise PublishError(f"{tree} is not a directory")
-    branch = subprocess.run(["git", "-C", str(tree), "symbolic-ref", "--short", "HEAD"],
-                            capture_output=True, text=True)
-    if branch.returncode != 0 or branch.stdout.strip() != "gh-pages":
-        raise PublishError(f"{tree} is not a working tree of the gh-pages branch")
-    if folder != "dev" and (tree / folder).exists() and not force:
-        raise PublishError(f"{folder} is already published and releases are immutable; use --force to replace it")
-    return folder
+
+
+def git(tree, *args):
+    # surrogateescape: paths that are not UTF-8 come back as the same str that pathlib made of them.
+    return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True, errors="surrogateescape")
+
+
+def check_target(tree):
+    """The git directory of tree, once tree is known to be the root of a working tree on gh-pages."""
+    where = git(tree, "rev-parse", "--show-toplevel", "--absolute-git-dir")
+    branch = git(tree, "symbolic-ref", "--short", "HEAD")
+    lines = where.stdout.splitlines()
+    # A folder inside the worktree would pass the branch test, yet publish a site nobody serves.
+    if (where.returncode or branch.returncode or len(lines) != 2 or Path(lines[0]).resolve() != tree
+            or branch.stdout.strip() != "gh-pages"):
+        raise PublishError(f"{tree} is not the root of a working tree of the gh-pages branch")
+    gitdir = Path(lines[1])
+    if gitdir.stat().st_dev != tree.stat().st_dev:
+        raise PublishError(f"{gitdir} is on another filesystem than {tree}, so moves from it would not be atomic")
+    return gitdir
 
 
 def switcher_entries(releases, has_dev, base_url):
@@ -94,65 +148,102 @@ def redirect_page(target):
             f"</head><body><p>This site lives at <a href=\"{target}\">{target}</a>.</p></body></html>\n")
 
 
+def copy_folder(source, target):
+    try:
+        # symlinks=True: should a link appear after the check, it is copied as a link, never followed.
+        shutil.copytree(source, target, symlinks=True)
+    except shutil.Error as error:
+        # copytree carries on past a file it cannot copy and then lists them all; the first one says enough.
+        raise OSError(f"could not copy {source}: {error.args[0][0][2]}") from None
+
+
+def stage(build, tree, staging, folder, base_url):
+    """Assemble the tree's new top-level entries in staging; returns their names, in the order they move."""
+    releases = sorted({p.name for p in tree.iterdir() if p.is_dir() and RELEASE.fullmatch(p.name)} |
+                      ({folder} - {"dev"}), key=release_key, reverse=True)
+    has_dev = folder == "dev" or (tree / "dev").is_dir()
+    newest = releases[0] if releases else None
+    staging.mkdir(parents=True)
+    copy_folder(build, staging / folder)
+    if newest == folder:
+        copy_folder(staging / folder, staging / "stable")
+    (staging / SWITCHER).write_text(json.dumps(switcher_entries(releases, has_dev, base_url), indent=2) + "\n")
+    (staging / "index.html").write_text(redirect_page("stable/" if newest else "dev/"))
+    (staging / ".nojekyll").write_text("")
+    return [name for name in (folder, "stable", SWITCHER, "index.html", ".nojekyll") if (staging / name).exists()]
+
+
+def roll_back(tree, work):
+    """Undo the moves of a publish that stopped after writing its journal, then clear what it left.
+
+    Each step is a rename that is skipped once done, so an interrupted roll-back is finished by the next.
+    Per entry, the publish moved the tree's entry to previous/, then the staged one into the tree; so
+    a staged entry that is gone is in the tree, and whatever is in previous/ belongs back in the tree."""
+    journal = work / JOURNAL
+    if journal.exists():
+        try:
+            names = json.loads(journal.read_text())
+        except ValueError:
+            raise PublishError(f"{journal} is damaged: put {tree} right by hand, then remove {work}") from None
+        for name in reversed(names):
+            staged, current, previous = work / STAGING / name, tree / name, work / PREVIOUS / name
+            if not os.path.lexists(staged) and os.path.lexists(current):
+                current.rename(staged)
+            if os.path.lexists(previous):
+                previous.rename(current)
+        journal.unlink()
+    if os.path.lexists(work):
+        shutil.rmtree(work)
+
+
 def publish(build, tree, version, base_url="/", force=False):
     """Publish build as version into tree; returns the folder written."""
     build, tree = Path(build).resolve(), Path(tree).resolve()
     if not base_url.endswith("/"):
         base_url += "/"
-    folder = validate(build, tree, version, force)
-
-    releases = sorted({p.name for p in tree.iterdir() if p.is_dir() and RELEASE.fullmatch(p.name)} |
-                      ({folder} if folder != "dev" else set()), key=release_key, reverse=True)
-    has_dev = folder == "dev" or (tree / "dev").is_dir()
-    newest = releases[0] if releases else None
-
-    staging = Path(tempfile.mkdtemp(prefix=".publish-", dir=tree))
-    backup = staging / "previous"
-    backup.mkdir()
-    moved = []  # (name, had_previous) in the order they were put in place
-    try:
-        shutil.copytree(build, staging / folder)
-        if newest is not None and newest == folder:
-            shutil.copytree(build, staging / "stable")
-        (staging / SWITCHER).write_text(json.dumps(switcher_entries(releases, has_dev, base_url), indent=2) + "\n")
-        (staging / "index.html").write_text(redirect_page("stable/" if newest else "dev/"))
-        (staging / ".nojekyll").write_text("")
-        for name in (folder, "stable", SWITCHER, "index.html", ".nojekyll"):
-            if not (staging / name).exists():
-                continue
-            had_previous = (tree / name).exists()
-            if had_previous:
-                (tree / name).rename(backup / name)
-            moved.append((name, had_previous))
-            (staging / name).rename(tree / name)
-    except BaseException:
-        for name, had_previous in reversed(moved):
-            target = tree / name
-            if target.is_dir():
-                shutil.rmtree(target)
-            elif target.exists():
-                target.unlink()
-            if had_previous:
-                (backup / name).rename(target)
-        raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    folder = folder_for(version)
+    check_build(build, "dev" if folder == "dev" else version)
+    gitdir = check_target(tree)
+    work = gitdir / WORK
+    with open(gitdir / LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        roll_back(tree, work)
+        if folder != "dev" and os.path.lexists(tree / folder) and not force:
+            raise PublishError(f"{folder} is already published and releases are immutable; use --force to replace it")
+        try:
+            names = stage(build, tree, work / STAGING, folder, base_url)
+            (work / PREVIOUS).mkdir()
+            # Written whole and renamed into place: a journal is either absent or complete.
+            (work / f"{JOURNAL}.partial").write_text(json.dumps(names))
+            (work / f"{JOURNAL}.partial").rename(work / JOURNAL)
+            for name in names:
+                if os.path.lexists(tree / name):
+                    (tree / name).rename(work / PREVIOUS / name)
+                (work / STAGING / name).rename(tree / name)
+            (work / JOURNAL).unlink()
+        except BaseException:
+            roll_back(tree, work)
+            raise
+        # With the journal gone the publish stands, and what is left in work is litter the next run clears.
+        shutil.rmtree(work, ignore_errors=True)
     return folder
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("build", type=Path, help="the finished site, e.g. build/html")
-    parser.add_argument("tree", type=Path, help="a working tree of the gh-pages branch")
+    parser.add_argument("tree", type=Path, help="the root of a working tree of the gh-pages branch")
     parser.add_argument("version", help="a release tag vX.Y.Z, or main")
     parser.add_argument("--base-url", default="/", help="where the site is served, e.g. /my-repo/ (default /)")
     parser.add_argument("--force", action="store_true", help="replace an already published release")
     args = parser.parse_args(argv)
     try:
         folder = publish(args.build, args.tree, args.version, args.base_url, args.force)
-    except PublishError as error:
-        print(f"publish: {error}", file=sys.stderr)
-        return 2
+    except (PublishError, OSError) as error:
+        # One line even when a file name holds a line break, so logs keep one error per line.
+        message = str(error).replace("\r", "\\r").replace("\n", "\\n")
+        print(f"publish: {message}", file=sys.stderr)
+        return 2 if isinstance(error, PublishError) else 1
     print(f"published {args.build} as {folder}/ in {args.tree}")
     return 0
 
