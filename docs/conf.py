@@ -1,6 +1,8 @@
 """Sphinx configuration: Sphinx-Gallery runs tutorials/*.py and MyST renders the hand-written pages."""
 
 import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -8,11 +10,40 @@ DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
 sys.path.insert(0, str(DOCS / "_ext"))
 
+from lesson_pages import PeakMemory  # noqa: E402  (found through the path set just above)
+
 project = "Triton kernels, step by step"
 author = "the Triton tutorials team"
 copyright = "2026, " + author
 # The version this build is published as (tools/publish.py and the docs workflow set it).
 release = version = os.environ.get("DOCS_VERSION", "dev")
+
+# The project's home on GitHub, for builds that cannot tell it otherwise: a local clone whose origin
+# is not on GitHub, or a copy without git.
+HOME_REPOSITORY = "triton-tutorials/triton-kernels-step-by-step"
+
+
+def _github_repository():
+    """owner/name of the repository this build comes from.
+
+    GitHub Actions sets GITHUB_REPOSITORY in every job, so a fork's build links to the fork. Elsewhere
+    the origin remote decides when it is on GitHub (https or ssh), and HOME_REPOSITORY otherwise."""
+    if os.environ.get("GITHUB_REPOSITORY"):
+        return os.environ["GITHUB_REPOSITORY"]
+    try:
+        origin = subprocess.run(["git", "remote", "get-url", "origin"], cwd=ROOT, capture_output=True,
+                                text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        origin = ""
+    found = re.fullmatch(r"(?:https://|ssh://git@|git@)github\.com[:/]([\w.-]+/[\w.-]+?)(?:\.git)?/?", origin)
+    return found.group(1) if found else HOME_REPOSITORY
+
+
+# Every link to GitHub (the header icon, each page's source, the clone command on Getting started)
+# derives from this one setting; docs/_ext/repository.py builds the URLs.
+repository = _github_repository()
+# The branch the source links point to: the one docs.yml publishes as dev.
+repository_branch = "main"
 
 extensions = [
     "myst_parser",
@@ -20,10 +51,15 @@ extensions = [
     "sphinx_copybutton",
     "sphinx_gallery.gen_gallery",
     "perf_summary",
+    "repository",
+    "offline_math",
+    # After sphinx_gallery: it replaces how that extension writes a plot into the page.
+    "lesson_pages",
 ]
 myst_enable_extensions = ["colon_fence", "dollarmath"]
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 exclude_patterns = ["_build", "**.ipynb_checkpoints", "tutorials/*.md5"]
+templates_path = ["_templates"]
 
 # Where tutorials leave their measured numbers for the "Performance at a glance" page.
 RESULTS_DIR = Path(os.environ.get("TUTORIAL_RESULTS_DIR", ROOT / "build" / "results")).resolve()
@@ -46,6 +82,9 @@ sphinx_gallery_conf = {
         "# %pip install torch triton matplotlib pandas"
     ),
     "min_reported_time": 0,
+    # The Computation times page's memory column; without this, Sphinx-Gallery needs memory_profiler
+    # and writes 0.0 for every lesson.
+    "show_memory": PeakMemory(),
 }
 
 html_theme = "pydata_sphinx_theme"
@@ -53,7 +92,16 @@ html_title = project
 html_static_path = ["_static"]
 html_css_files = ["custom.css"]
 html_theme_options = {
-    "navbar_end": ["version-switcher", "theme-switcher", "navbar-icon-links"],
+    # Beside the title, where a phone keeps it in the header: the other header items fold into the
+    # side drawer below the theme's large breakpoint.
+    "navbar_start": ["navbar-logo", "version-switcher"],
+    # The default lines the links up with the text by giving the title a fixed quarter of the width,
+    # which the switcher beside the title would overrun.
+    "navbar_align": "left",
+    "navbar_end": ["theme-switcher", "navbar-icon-links"],
+    # An icon, not a field: the field alone would push the header onto a second row.
+    "navbar_persistent": ["search-button"],
+    "github_url": f"https://github.com/{repository}",
     "switcher": {
         # One fixed place for every published version (tools/publish.py writes it).
         "json_url": os.environ.get("DOCS_SWITCHER_URL", "/switcher.json"),
@@ -62,8 +110,10 @@ html_theme_options = {
     # Builds happen offline; the switcher's JSON is checked by the publish tool instead.
     "check_switcher": False,
     "show_version_warning_banner": True,
-    "secondary_sidebar_items": ["page-toc", "sg_download_links", "sg_launcher_links"],
+    "secondary_sidebar_items": ["page-toc", "source-links", "sg_download_links", "sg_launcher_links"],
 }
+# Pages at the top level have no section to navigate: their text and tables take the width instead.
+html_sidebars = {"*": []}
 html_context = {"default_mode": "light"}
 html_last_updated_fmt = "%Y-%m-%d"
 

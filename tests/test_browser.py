@@ -1,6 +1,10 @@
 """A two-version site, published with tools/publish.py, served on 127.0.0.1 and driven in headless Chromium:
 the root redirects to stable, the switcher lists both versions and lands on the same page of the other,
-plots load, download links answer, and the dev page warns that it is not the stable version."""
+plots load and open full size, download links answer, and the dev page warns that it is not the stable
+version. Every lesson page, Getting started and the performance page, at a desktop and a phone width, with
+every request to another host blocked: the page is no wider than the window, the header keeps the version
+switcher on one row, printed output wraps inside its column, plots are not shipped far larger than shown,
+everything comes from the site itself, and the math is typeset."""
 
 import functools
 import os
@@ -13,9 +17,13 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 import publish
 import pytest
 from conftest import ROOT, sphinx
+from lessons import stems
 
 SCREENSHOTS = ROOT / "build" / "screenshots"
-PAGE = "tutorials/01-fused-softmax.html"
+LESSON = stems()[0]
+PAGE = f"tutorials/{LESSON}.html"
+READER_PAGES = [f"tutorials/{lesson}.html" for lesson in stems()] + ["getting-started.html", "performance.html"]
+WIDTHS = {"desktop": 1400, "phone": 390}
 
 
 def find_chromium():
@@ -99,7 +107,7 @@ def test_dev_page_points_to_stable(served_site, page):
 
 def test_tutorial_page_shows_its_plot_and_downloads(served_site, page):
     page.goto(f"{served_site}/dev/{PAGE}")
-    plot = page.locator("img[src*='sphx_glr_01-fused-softmax_001']").first
+    plot = page.locator(f"img[src*='sphx_glr_{LESSON}_001']").first
     plot.scroll_into_view_if_needed()
     page.wait_for_function("img => img.complete && img.naturalWidth > 0", arg=plot.element_handle())
     hrefs = page.eval_on_selector_all("a[href*='_downloads/']", "links => links.map(a => a.href)")
@@ -110,3 +118,107 @@ def test_tutorial_page_shows_its_plot_and_downloads(served_site, page):
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SCREENSHOTS / "tutorial-page.png"), full_page=False)
     plot.screenshot(path=str(SCREENSHOTS / "tutorial-plot.png"))
+
+
+def test_clicking_a_plot_opens_it_full_size(served_site, page):
+    page.goto(f"{served_site}/dev/{PAGE}")
+    plot = page.locator("img.sphx-glr-single-img, img.sphx-glr-multi-img").first
+    plot.scroll_into_view_if_needed()
+    page.wait_for_function("img => img.complete && img.naturalWidth > 0", arg=plot.element_handle())
+    natural_width = plot.evaluate("img => img.naturalWidth")
+    source = plot.evaluate("img => img.src")
+    plot.click()
+    page.wait_for_url(source)
+    assert page.evaluate("document.contentType") == "image/png"
+    assert page.evaluate("document.images[0].naturalWidth") == natural_width
+
+
+def open_offline(browser, url, width):
+    """The page at url in a window `width` pixels wide, every request to another host refused; with the
+    URLs it asked for and those that failed. Returns once the page and its math are finished."""
+    page = browser.new_page(viewport={"width": width, "height": 900})
+    origin = "/".join(url.split("/", 3)[:3]) + "/"
+    requested, failed = [], []
+
+    def only_this_site(route):
+        requested.append(route.request.url)
+        if route.request.url.startswith(origin):
+            route.continue_()
+        else:
+            route.abort()
+
+    def note_error(response):
+        if response.status >= 400:
+            failed.append(f"{response.status} {response.url}")
+
+    page.route("**/*", only_this_site)
+    page.on("response", note_error)
+    page.on("requestfailed", lambda request: failed.append(f"{request.failure} {request.url}"))
+    page.goto(url)
+    page.wait_for_load_state("networkidle")
+    page.evaluate("async () => { if (window.MathJax?.startup?.promise) await MathJax.startup.promise; "
+                  "await document.fonts.ready; }")
+    page.wait_for_load_state("networkidle")
+    return page, origin, requested, failed
+
+
+# Text that MathJax would have replaced: TeX left outside code means the math did not render.
+RAW_TEX = r"""() => {
+  const walker = document.createTreeWalker(document.querySelector('main') || document.body, NodeFilter.SHOW_TEXT);
+  const raw = [];
+  while (walker.nextNode()) {
+    const text = walker.currentNode;
+    if (text.parentElement.closest('pre, code, script, style, mjx-container')) continue;
+    if (/\\\(|\\\[/.test(text.data)) raw.push(text.data.trim().slice(0, 80));
+  }
+  return raw;
+}"""
+# Whether each formula became MathJax output.
+TYPESET = "() => [...document.querySelectorAll('span.math, div.math')].map(e => !!e.querySelector('mjx-container'))"
+# The header's visible items, each as [class, top, bottom].
+HEADER_ITEMS = """() => [...document.querySelectorAll([
+    '.bd-header__inner > button', '.bd-header .navbar-brand', '.bd-header .version-switcher__button',
+    '.bd-header .search-button', '.bd-header .navbar-nav', '.bd-header .theme-switch-button',
+    '.bd-header .navbar-icon-links'].join(', '))]
+  .filter(e => e.offsetParent !== null && e.getBoundingClientRect().width > 0)
+  .map(e => { const r = e.getBoundingClientRect(); return [e.className, r.top, r.bottom]; })"""
+# The start of each block of printed output that scrolls sideways instead of wrapping.
+WIDE_OUTPUT = """() => [...document.querySelectorAll('div.sphx-glr-script-out pre')]
+  .filter(pre => pre.scrollWidth > pre.clientWidth + 1).map(pre => pre.innerText.slice(0, 80))"""
+# Each plot as [src, loaded, natural width, shown width].
+PLOTS = """() => [...document.querySelectorAll('img.sphx-glr-single-img, img.sphx-glr-multi-img')]
+  .map(img => [img.getAttribute('src'), img.complete, img.naturalWidth, img.getBoundingClientRect().width])"""
+
+
+@pytest.mark.parametrize("width", WIDTHS.values(), ids=WIDTHS.keys())
+@pytest.mark.parametrize("path", READER_PAGES)
+def test_page_reads_well_offline(served_site, browser, path, width):
+    page, origin, requested, failed = open_offline(browser, f"{served_site}/dev/{path}", width)
+    try:
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SCREENSHOTS / f"{path.rsplit('/', 1)[-1].removesuffix('.html')}-{width}.png"))
+
+        assert not [u for u in requested if not u.startswith(origin)], "requests to another host"
+        assert not failed, failed
+
+        page_width, window = page.evaluate("[document.scrollingElement.scrollWidth, window.innerWidth]")
+        assert page_width <= window, f"the page is {page_width} px wide in a {window} px window"
+
+        items = page.evaluate(HEADER_ITEMS)
+        switcher = [item for item in items if "version-switcher" in item[0]]
+        assert switcher, f"no version switcher in the header at {width} px"
+        middle = (switcher[0][1] + switcher[0][2]) / 2
+        assert all(top <= middle <= bottom for _, top, bottom in items), f"header items on several rows: {items}"
+
+        assert not page.evaluate(WIDE_OUTPUT), "printed output scrolls sideways"
+
+        typeset = page.evaluate(TYPESET)
+        assert all(typeset), f"{typeset.count(False)} of {len(typeset)} formulas were not typeset"
+        assert not page.evaluate(RAW_TEX), "raw TeX on the page"
+
+        if width == WIDTHS["desktop"]:
+            for src, loaded, natural, shown in page.evaluate(PLOTS):
+                assert loaded and natural > 0, f"{src} did not load"
+                assert natural <= 2 * shown, f"{src} is {natural} px wide, shown at {shown:.0f} px"
+    finally:
+        page.close()

@@ -1,7 +1,13 @@
 """The site as a reader gets it: a full CPU build with no warnings, every tutorial page complete, every
-notebook valid and runnable, and a failing tutorial failing the build by name."""
+notebook valid and runnable, a failing tutorial failing the build by name, every page self-contained
+(nothing from another host), links to the GitHub repository from its one setting, and the results
+each benchmarking lesson leaves for the performance page following perf_summary's contract."""
 
+import ast
+import copy
+import json
 import re
+import runpy
 import shutil
 from html.parser import HTMLParser
 
@@ -11,18 +17,34 @@ from conftest import ROOT, TUTORIALS, sphinx
 from lessons import stems
 
 LESSONS = stems()
+RESULTS = ROOT / "build" / "results"
+
 
 class Links(HTMLParser):
+    """Images (with the link each sits in), links, and every resource the page asks for."""
+
     def __init__(self):
         super().__init__()
-        self.images, self.hrefs = [], []
+        self.images, self.hrefs, self.resources, self.linked_images = [], [], [], {}
+        self.open_link = None
 
     def handle_starttag(self, tag, attrs):
         attrs = dict(attrs)
         if tag == "img" and attrs.get("src"):
             self.images.append(attrs["src"])
-        if tag == "a" and attrs.get("href"):
-            self.hrefs.append(attrs["href"])
+            self.linked_images[attrs["src"]] = self.open_link
+        if tag == "a":
+            self.open_link = attrs.get("href")
+            if attrs.get("href"):
+                self.hrefs.append(attrs["href"])
+        if tag in ("script", "img", "iframe", "source", "audio", "video", "embed") and attrs.get("src"):
+            self.resources.append(attrs["src"])
+        if tag == "link" and attrs.get("href") and attrs.get("rel") not in ("canonical", "alternate"):
+            self.resources.append(attrs["href"])
+
+    def handle_endtag(self, tag):
+        if tag == "a":
+            self.open_link = None
 
 
 def links_of(page):
@@ -42,6 +64,8 @@ def test_tutorial_page_is_complete(site, lesson):
     assert plots, f"{lesson} shows no plot"
     for src in plots:
         assert (page.parent / src).is_file(), f"missing image {src}"
+    for src in plots:
+        assert links.linked_images[src] == src, f"{lesson}: a click on {src} must open it full size"
     downloads = [h for h in links.hrefs if "_downloads/" in h]
     for suffix in (f"{lesson}.py", f"{lesson}.ipynb", "tutorials_python.zip", "tutorials_jupyter.zip"):
         matches = [h for h in downloads if h.endswith(suffix)]
@@ -58,14 +82,135 @@ def test_every_tutorial_has_a_nonzero_run_time(site):
     assert (site / "sg_execution_times.html").exists()
 
 
+def test_execution_times_page_measures_memory(site):
+    text = (ROOT / "docs" / "sg_execution_times.rst").read_text()
+    memory = [float(m) for m in re.findall(r"\.py``\)\n\s*-\s*\d+:\d+\.\d+\n\s*-\s*([\d.]+)", text)]
+    assert len(memory) == len(LESSONS), text
+    assert any(memory), "every lesson reports 0.0 MB: the memory column measures nothing"
+
+
+def test_no_page_loads_anything_from_another_host(site):
+    pages = sorted(p for p in site.rglob("*.html") if "_static" not in p.parts)
+    assert len(pages) > len(LESSONS)
+    for page in pages:
+        remote = [r for r in links_of(page).resources if re.match(r"(https?:)?//", r)]
+        assert not remote, f"{page.relative_to(site)} loads {remote}"
+    mathjax = site / "_static" / "mathjax"
+    assert (mathjax / "tex-chtml.js").is_file(), "MathJax must come with the site"
+    assert list((mathjax / "output" / "chtml" / "fonts" / "woff-v2").glob("*.woff")), "and its fonts"
+
+
+def github_repository(site):
+    """owner/name, as the header's GitHub icon gives it."""
+    found = set(re.findall(r'href="https://github\.com/([\w.-]+/[\w.-]+)"', (site / "index.html").read_text()))
+    assert len(found) == 1, f"the header must link to exactly one repository: {found}"
+    return found.pop()
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_lesson_links_to_its_script_on_github(site, lesson):
+    base = f"https://github.com/{github_repository(site)}"
+    hrefs = links_of(site / "tutorials" / f"{lesson}.html").hrefs
+    assert f"{base}/blob/main/tutorials/{lesson}.py" in hrefs, [h for h in hrefs if "github" in h]
+    assert f"{base}/edit/main/tutorials/{lesson}.py" in hrefs
+    assert not [h for h in hrefs if "github.com" in h and "docs/tutorials/" in h], "links to a generated page"
+
+
+def test_getting_started_gives_the_real_clone_command(site):
+    repository = github_repository(site)
+    text = re.sub(r"<[^>]+>", "", (site / "getting-started.html").read_text())
+    assert f"git clone https://github.com/{repository}.git &amp;&amp; cd {repository.split('/')[1]}" in text
+    assert "&lt;this repository&gt;" not in text
+
+
+def test_the_repository_setting_follows_github_actions(monkeypatch):
+    monkeypatch.setenv("GITHUB_REPOSITORY", "someone/a-fork")
+    # conf.py exports where the results go: keep this process's value as it was.
+    monkeypatch.setenv("TUTORIAL_RESULTS_DIR", str(RESULTS))
+    conf = runpy.run_path(str(ROOT / "docs" / "conf.py"))
+    assert conf["repository"] == "someone/a-fork"
+    assert conf["html_theme_options"]["github_url"] == "https://github.com/someone/a-fork"
+
+
+def calls_save_results(lesson):
+    """Whether the lesson calls save_results, its own or another lesson's (module.save_results)."""
+    tree = ast.parse((TUTORIALS / f"{lesson}.py").read_text())
+    return any(isinstance(node, ast.Call) and "save_results" in (getattr(node.func, "id", None),
+                                                                 getattr(node.func, "attr", None))
+               for node in ast.walk(tree))
+
+
+def test_results_follow_the_contract_and_every_benchmark_left_them(site):
+    written = {path.stem for path in RESULTS.glob("*.json")}
+    perf_summary.load_results(RESULTS)  # checks every record against the contract
+    benchmarking = {lesson for lesson in LESSONS if calls_save_results(lesson)}
+    assert benchmarking, "no lesson calls save_results"
+    assert not benchmarking - written, f"lessons that benchmark but left no results: {benchmarking - written}"
+    assert not written - set(LESSONS), f"results of no current lesson (make clean): {written - set(LESSONS)}"
+
+
+GOOD_RECORD = {"tutorial": "01-x", "platform": "GPU: test", "on_gpu": True, "date": "2026-11-22", "benchmarks": [
+    {"name": "b", "unit": "GB/s", "ceiling_name": "copy bandwidth", "ceiling": 100.0, "ours": ["mine"],
+     "peers": ["a"], "rows": [{"N": 1, "provider": "mine", "value": 50.0}, {"N": 1, "provider": "a", "value": None}]}]}
+
+
+@pytest.mark.parametrize("field, change", [
+    ("tutorial", lambda r: r.pop("tutorial")),
+    ("on_gpu", lambda r: r.update(on_gpu="yes")),
+    ("date", lambda r: r.update(date="22/11/2026")),
+    ("extra", lambda r: r.update(extra=1)),
+    ("benchmarks", lambda r: r.update(benchmarks=[])),
+    ("benchmarks[0].ceiling", lambda r: r["benchmarks"][0].update(ceiling=0)),
+    ("benchmarks[0].ceiling", lambda r: r["benchmarks"][0].update(ceiling="100")),
+    ("benchmarks[0].ours", lambda r: r["benchmarks"][0].update(ours=[])),
+    ("benchmarks[0].peers[0]", lambda r: r["benchmarks"][0].update(peers=[3])),
+    ("benchmarks[0].rows[1].value", lambda r: r["benchmarks"][0]["rows"][1].update(value="fast")),
+    ("benchmarks[0].rows[0].provider", lambda r: r["benchmarks"][0]["rows"][0].pop("provider")),
+    ("benchmarks[0].rows[1]", lambda r: r["benchmarks"][0]["rows"][1].pop("N")),
+])
+def test_validate_record_names_the_bad_field(field, change):
+    perf_summary.validate_record(GOOD_RECORD)
+    record = copy.deepcopy(GOOD_RECORD)
+    change(record)
+    with pytest.raises(ValueError, match=rf"^{re.escape(field)}[:. ]"):
+        perf_summary.validate_record(record)
+
+
+def test_a_results_file_carries_its_own_name(tmp_path):
+    (tmp_path / "02-other.json").write_text(json.dumps(GOOD_RECORD))
+    with pytest.raises(ValueError, match=r"02-other\.json: tutorial:"):
+        perf_summary.load_results(tmp_path)
+
+
+def table_rows(html):
+    return [[re.sub(r"<[^>]+>", "", cell).strip() for cell in re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)]
+            for row in re.findall(r"<tr[^>]*>(.*?)</tr>", html, re.S)]
+
+
 def test_performance_page_is_computed_from_this_build(site):
-    results = perf_summary.load_results(ROOT / "build" / "results")
-    assert sorted(r["tutorial"] for r in results) == LESSONS
-    text = (site / "performance.html").read_text()
-    for lesson in LESSONS:
-        assert lesson in text
+    results = perf_summary.load_results(RESULTS)
+    page = (site / "performance.html").read_text()
+    hrefs = links_of(site / "performance.html").hrefs
+    for result in results:
+        assert f"tutorials/{result['tutorial']}.html" in hrefs, f"{result['tutorial']} does not link to its page"
     if not all(r["on_gpu"] for r in results):
-        assert "measure the interpreter, not a GPU" in text
+        assert "measure the interpreter, not a GPU" in page
+    # Each quantity in one format: ratios 0.00x, fractions 0%, ceilings as format_rate writes them.
+    ceilings = {f"{b['ceiling_name']}: {perf_summary.format_rate(b['ceiling'])} {b['unit']}"
+                for r in results for b in r["benchmarks"]}
+    ratio = r"n/a|\d+\.\d\dx .+ \(.*\)"
+    rows = [row for row in table_rows(page) if row]
+    assert rows
+    for _, _, _, best, worst, fraction, ceiling in rows:
+        assert re.fullmatch(ratio, best) and re.fullmatch(ratio, worst), (best, worst)
+        assert re.fullmatch(r"best \d+% \(.*\), worst \d+% \(.*\)", fraction), fraction
+        assert ceiling in ceilings, (ceiling, ceilings)
+
+
+@pytest.mark.parametrize("value, text", [(727.7, "728"), (3352.1, "3352"), (99.96, "100"), (42.45, "42.5"),
+                                         (2.0922, "2.09"), (0.0021003, "0.00210")])
+def test_a_rate_has_one_format(value, text):
+    assert perf_summary.format_rate(value) == text
 
 
 def test_perf_summary_ratios():
@@ -91,7 +236,8 @@ def test_notebook_is_valid_and_runs_on_cpu(site, lesson, tmp_path):
     # A reader's folder: the notebook and its sibling lessons, no build environment variables.
     for other in TUTORIALS.glob("[0-9][0-9]-*.py"):
         shutil.copy(other, tmp_path)
-    NotebookClient(notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    NotebookClient(notebook, timeout=900, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
 

@@ -1,24 +1,139 @@
 """The ``perf-summary`` directive: the "Performance at a glance" table, computed from the numbers the
 tutorials measured in this same build.
 
-Each tutorial, when run by the build, writes ``<TUTORIAL_RESULTS_DIR>/<tutorial>.json``::
+The results contract
+--------------------
+Each tutorial that benchmarks, when run by the build, calls ``save_results(tutorial, benchmarks)``,
+which writes ``<TUTORIAL_RESULTS_DIR>/<tutorial>.json``; this is the one description of that file,
+and ``validate_record`` checks it on every load::
 
-    {"tutorial": ..., "platform": ..., "on_gpu": bool, "date": ...,
-     "benchmarks": [{"name": ..., "unit": "GB/s", "ceiling_name": ..., "ceiling": float,
-                     "ours": [provider, ...], "peers": [provider, ...],
-                     "rows": [{"provider": ..., "value": float, <case columns>...}, ...]}]}
+    {"tutorial": str,          # the lesson's file name without .py, and the JSON's own file name
+     "platform": str,          # what produced the numbers, as the lesson prints it
+     "on_gpu": bool,           # False when the Triton interpreter ran on a CPU
+     "date": "YYYY-MM-DD",     # the day of the measurements
+     "benchmarks": [           # at least one
+        {"name": str,          # the benchmark, as the page names it
+         "unit": str,          # of every value and of the ceiling, e.g. "GB/s", "TFLOP/s"
+         "ceiling_name": str,  # what the device ceiling is, e.g. "copy bandwidth"
+         "ceiling": float,     # the ceiling measured in the same run: finite and > 0
+         "ours": [str, ...],   # the providers that are this tutorial's kernels (at least one)
+         "peers": [str, ...],  # the providers they are compared with (may be empty)
+         "rows": [             # one per provider and case; other providers are allowed and ignored
+            {"provider": str, "value": float or null or NaN (not measured),
+             <case column>: str, int, float or bool, ...},   # the same columns in every row
+            ...]}]}
 
 For every kernel of ours, the page gives its best and worst ratio to the strongest peer measured at
 the same case, and its best and worst fraction of the device ceiling measured in the same run.
+Each quantity has one format wherever the page shows it: ``format_ratio``, ``format_fraction`` and
+``format_rate`` (the ceiling).
 """
 
+import datetime
 import json
+import math
 import os
 import subprocess
 from pathlib import Path
 
 from docutils import nodes
 from docutils.parsers.rst import Directive
+from sphinx.addnodes import pending_xref
+
+FIELDS = {"tutorial": str, "platform": str, "on_gpu": bool, "date": str, "benchmarks": list}
+BENCHMARK_FIELDS = {"name": str, "unit": str, "ceiling_name": str, "ceiling": float, "ours": list,
+                    "peers": list, "rows": list}
+KINDS = {str: "text", bool: "true or false", list: "a list", float: "a number"}
+CASE_TYPES = (str, int, float, bool)
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_kind(value, kind):
+    if kind is float:
+        return _is_number(value)
+    return isinstance(value, kind)
+
+
+def _check_fields(record, fields, where):
+    if not isinstance(record, dict):
+        raise ValueError(f"{where or 'record'}: expected an object, got {type(record).__name__}")
+    prefix = f"{where}." if where else ""
+    missing, unknown = sorted(set(fields) - set(record)), sorted(set(record) - set(fields))
+    if missing:
+        raise ValueError(f"{prefix}{missing[0]}: missing")
+    if unknown:
+        raise ValueError(f"{prefix}{unknown[0]}: not a field of the results contract")
+    for name, kind in fields.items():
+        value = record[name]
+        if not _is_kind(value, kind):
+            raise ValueError(f"{prefix}{name}: expected {KINDS[kind]}, got {value!r}")
+        if kind is str and not value.strip():
+            raise ValueError(f"{prefix}{name}: empty")
+
+
+def _check_providers(values, where, at_least_one):
+    if at_least_one and not values:
+        raise ValueError(f"{where}: empty")
+    for i, value in enumerate(values):
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{where}[{i}]: expected a provider name, got {value!r}")
+
+
+def validate_record(record):
+    """Check one results record against the contract above; raise ValueError naming the bad field."""
+    _check_fields(record, FIELDS, "")
+    try:
+        datetime.date.fromisoformat(record["date"])
+    except ValueError:
+        raise ValueError(f"date: expected YYYY-MM-DD, got {record['date']!r}") from None
+    if not record["benchmarks"]:
+        raise ValueError("benchmarks: empty")
+    for b, bench in enumerate(record["benchmarks"]):
+        where = f"benchmarks[{b}]"
+        _check_fields(bench, BENCHMARK_FIELDS, where)
+        if not math.isfinite(bench["ceiling"]) or bench["ceiling"] <= 0:
+            raise ValueError(f"{where}.ceiling: expected a finite number > 0, got {bench['ceiling']!r}")
+        _check_providers(bench["ours"], f"{where}.ours", at_least_one=True)
+        _check_providers(bench["peers"], f"{where}.peers", at_least_one=False)
+        columns = None
+        for r, row in enumerate(bench["rows"]):
+            at = f"{where}.rows[{r}]"
+            if not isinstance(row, dict):
+                raise ValueError(f"{at}: expected an object, got {type(row).__name__}")
+            for name in ("provider", "value"):
+                if name not in row:
+                    raise ValueError(f"{at}.{name}: missing")
+            if not isinstance(row["provider"], str) or not row["provider"]:
+                raise ValueError(f"{at}.provider: expected a provider name, got {row['provider']!r}")
+            if row["value"] is not None and not _is_number(row["value"]):
+                raise ValueError(f"{at}.value: expected a number or null, got {row['value']!r}")
+            case = set(row) - {"provider", "value"}
+            for name in sorted(case):
+                if not isinstance(row[name], CASE_TYPES):
+                    raise ValueError(f"{at}.{name}: expected a case value (text, number or bool), got {row[name]!r}")
+            if columns is not None and case != columns:
+                raise ValueError(f"{at}: case columns {sorted(case)} differ from the first row's {sorted(columns)}")
+            columns = case
+
+
+def format_ratio(ratio):
+    return f"{ratio:.2f}x"
+
+
+def format_fraction(fraction):
+    return f"{fraction:.0%}"
+
+
+def format_rate(value):
+    """Three significant figures in plain notation, whole numbers from 100 up: 728, 42.5, 0.00210."""
+    rounded = float(f"{value:.3g}")
+    if abs(rounded) >= 100:
+        return f"{value:.0f}"
+    decimals = 2 - math.floor(math.log10(abs(rounded))) if rounded else 0
+    return f"{rounded:.{decimals}f}"
 
 
 def _case_key(row):
@@ -69,10 +184,17 @@ def gpu_driver():
 
 
 def load_results(results_dir):
+    """Every record in results_dir, checked against the contract; ValueError names the file and field."""
     results = []
     for path in sorted(Path(results_dir).glob("*.json")):
-        with open(path) as f:
-            results.append(json.load(f))
+        try:
+            record = json.loads(path.read_text())
+            validate_record(record)
+            if record["tutorial"] != path.stem:
+                raise ValueError(f"tutorial: {record['tutorial']!r} written to the file of {path.stem!r}")
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from error
+        results.append(record)
     return results
 
 
@@ -88,21 +210,37 @@ def _table(header, rows):
         row = nodes.row()
         for cell in cells:
             entry = nodes.entry()
-            entry += nodes.paragraph(text=str(cell))
+            entry += cell if isinstance(cell, nodes.paragraph) else nodes.paragraph(text=str(cell))
             row += entry
         parent += row
     return table
 
 
+def _ratio_text(ratio):
+    return "n/a" if ratio is None else f"{format_ratio(ratio[0])} {ratio[2]} ({_case_text(ratio[1])})"
+
+
 class PerfSummary(Directive):
     has_content = False
+
+    def _lesson_link(self, tutorial):
+        env = self.state.document.settings.env
+        gallery = env.config.sphinx_gallery_conf["gallery_dirs"]
+        gallery = gallery if isinstance(gallery, str) else gallery[0]
+        link = pending_xref("", nodes.inline(text=tutorial), refdomain="std", reftype="doc",
+                            reftarget=f"/{gallery}/{tutorial}", refexplicit=True, refwarn=True,
+                            refdoc=env.docname)
+        return nodes.paragraph("", "", link)
 
     def run(self):
         env = self.state.document.settings.env
         results_dir = Path(os.environ["TUTORIAL_RESULTS_DIR"])
-        results = load_results(results_dir)
         for path in results_dir.glob("*.json"):
             env.note_dependency(str(path))
+        try:
+            results = load_results(results_dir)
+        except ValueError as error:
+            raise self.error(f"a tutorial's results break the contract of perf_summary.py: {error}") from error
         if not results:
             return [nodes.paragraph(text=(
                 "No tutorial has recorded results in this build (the pages were built without "
@@ -125,14 +263,13 @@ class PerfSummary(Directive):
         for result in results:
             for bench in result["benchmarks"]:
                 for s in summarize(bench):
-                    def ratio(r):
-                        return "n/a" if r is None else f"{r[0]:.2f}x {r[2]} ({_case_text(r[1])})"
+                    best, worst = s["best_fraction"], s["worst_fraction"]
                     rows.append([
-                        result["tutorial"], bench["name"], s["kernel"],
-                        ratio(s["best_ratio"]), ratio(s["worst_ratio"]),
-                        f"best {s['best_fraction'][0]:.0%} ({_case_text(s['best_fraction'][1])}), "
-                        f"worst {s['worst_fraction'][0]:.0%} ({_case_text(s['worst_fraction'][1])})",
-                        f"{bench['ceiling_name']}: {bench['ceiling']:.4g} {bench['unit']}",
+                        self._lesson_link(result["tutorial"]), bench["name"], s["kernel"],
+                        _ratio_text(s["best_ratio"]), _ratio_text(s["worst_ratio"]),
+                        f"best {format_fraction(best[0])} ({_case_text(best[1])}), "
+                        f"worst {format_fraction(worst[0])} ({_case_text(worst[1])})",
+                        f"{bench['ceiling_name']}: {format_rate(bench['ceiling'])} {bench['unit']}",
                     ])
         out.append(_table(header, rows))
         return out
