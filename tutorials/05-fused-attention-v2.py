@@ -592,6 +592,7 @@ else:
     _fwd, _dkdv, _dq = attn_fwd_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
     _FIXED_FWD, _FIXED_BWD = {"BLOCK_M": 64, "BLOCK_N": 32}, {"BLOCK_M": 32, "BLOCK_N": 64}
 
+
 def keys_contiguous(v, dtype=None):
     """The same (B, H, N, D) values, stored with the sequence axis contiguous, cast to dtype on the way."""
     return v.transpose(2, 3).to(dtype or v.dtype, memory_format=torch.contiguous_format).transpose(2, 3)

@@ -455,12 +455,12 @@ if __name__ == "__main__":
 # The backward pass in TFLOP/s (2.5 times the forward's FLOPs: five products), at lesson 05's
 # sizes, against lesson 05's two-pass backward and SDPA's backends, measured in this run.
 
-WS = FWD.WS
+WS, PORTABLE = FWD.WS, FWD.PORTABLE
 
 
 def backward_providers(causal, D):
     scale = D ** -0.5
-    providers = {V2.OURS: lambda q, k, v: V2.attention(q, k, v, causal, scale)}
+    providers = {PORTABLE: lambda q, k, v: V2.attention(q, k, v, causal, scale)}
     providers.update(V2.sdpa_providers(causal, scale, V2.PEERS))
     return providers
 
@@ -504,12 +504,12 @@ if __name__ == "__main__":
         best_peer = part[peers].max(axis=1)
         line = f"D={D:3d} {'causal    ' if causal else 'non-causal'}: "
         if WS in part:
-            ws, portable = part[WS] / best_peer, part[WS] / part[V2.OURS]
+            ws, portable = part[WS] / best_peer, part[WS] / part[PORTABLE]
             line += (f"Gluon is {ws.min():.2f}x to {ws.max():.2f}x the fastest SDPA backend and {portable.min():.2f}x "
                      f"to {portable.max():.2f}x the two-pass backward (faster at {(portable > 1).sum()} of "
                      f"{len(portable)} sizes), up to {part[WS].max() / peak:.0%} of the matmul rate")
         else:
-            ratio = part[V2.OURS] / best_peer
+            ratio = part[PORTABLE] / best_peer
             line += f"the two-pass backward is {ratio.min():.2f}x to {ratio.max():.2f}x the fastest SDPA backend"
         print(line)
     if V2.ROUNDS > 1:
@@ -518,7 +518,7 @@ if __name__ == "__main__":
         print("These are interpreter timings: they measure NumPy on the CPU, not GPU kernels.")
     V2.save_results("07-hopper-backward-gluon", [{
         "name": "attention backward, warp-specialized", "unit": "TFLOP/s", "ceiling_name": "fp16 matmul rate",
-        "ceiling": peak, "ours": [c for c in (WS, V2.OURS) if c in table], "peers": peers,
+        "ceiling": peak, "ours": [c for c in (WS, PORTABLE) if c in table], "peers": peers,
         "rows": results.drop(columns="spread").to_dict("records")}])
 
 # %%
