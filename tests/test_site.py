@@ -54,6 +54,16 @@ def links_of(page):
 
 
 @pytest.mark.parametrize("lesson", LESSONS)
+def test_a_table_wherever_the_text_cites_one(site, lesson):
+    """Prose that points at "the table" must have a rendered table on the page, not a repr in a code block."""
+    text = (site / "tutorials" / f"{lesson}.html").read_text()
+    prose = re.sub(r'<div class="highlight.*?</div>', "", text, flags=re.S)  # code and its output
+    cites = re.findall(r"[^.<>]*\bthe (?:results )?table\b[^.<>]*", re.sub(r"<[^>]+>", " ", prose))
+    if cites:
+        assert re.search(r'<table[^>]*class="dataframe', text), f"{lesson} cites a table but renders none: {cites[0]}"
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
 def test_tutorial_page_is_complete(site, lesson):
     page = site / "tutorials" / f"{lesson}.html"
     assert page.exists(), f"no page for {lesson}"
