@@ -274,10 +274,10 @@ def attn_fwd_kernel(
 # list itself is short because it was measured: ``tools/tune.py attention`` in this repository
 # sweeps a wider space on a GPU, and these are the configurations that won somewhere on an H100.
 # (The site's engineering notes record a pruning rule that was guessed, and what the sweep said
-# of it: measure, don't guess.) The best two or three tiles are often within a few percent of each other, less than the GPU's
-# run-to-run noise, so two builds on the same machine can pick different winners: on a GPU, the
-# autotuner's choices are listed near the end of this page. Under the interpreter there is nothing to
-# tune, and one configuration runs.
+# of it: measure, don't guess.) The best two or three tiles are often within a few percent of each
+# other, less than the GPU's run-to-run noise, so two builds on the same machine can pick
+# different winners: on a GPU, the autotuner's choices are listed near the end of this page.
+# Under the interpreter there is nothing to tune, and one configuration runs.
 
 
 def _configs(shapes):
