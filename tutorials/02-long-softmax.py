@@ -540,11 +540,10 @@ def bench_ms(fn):
         # While the host compiles, the GPU idles and its clocks drop; do_bench sizes its repetitions from
         # the first few calls, so a kernel timed right after its compilation was timed on a cold GPU
         # (seen on an H100: 90 GB/s for a softmax that runs at 1000). Run it for 50 ms first.
-        fn()
         start = time.perf_counter()
-        while time.perf_counter() - start < 0.05:
+        while time.perf_counter() - start < 0.05:  # waiting each time: a queue of slow calls would take minutes
             fn()
-        torch.cuda.synchronize()
+            torch.cuda.synchronize()
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
     fn()
     times = []
