@@ -594,17 +594,17 @@ def plot_mode(table, mode, peak, title):
             ax.plot(panel.index, panel[name], color=color, marker=marker, label=name)
         ax.axhline(peak, color="black", linestyle="--", zorder=0, label="fp16 matmul rate (ceiling)")
         ax.set_xscale("log", base=2)
-        ax.set_xticks(list(panel.index), [str(n) for n in panel.index], fontsize=9)
+        ax.set_xticks(list(panel.index), [str(n) for n in panel.index], fontsize=10)
         ax.minorticks_off()
-        ax.tick_params(labelsize=9)
-        ax.set_title(f"D = {D}, {'causal' if causal else 'non-causal'}", fontsize=10)
+        ax.tick_params(labelsize=10)
+        ax.set_title(f"D = {D}, {'causal' if causal else 'non-causal'}", fontsize=11)
         ax.set_ylim(0, max(peak, panel.max().max()) * 1.08)  # fp8 can pass the fp16 ceiling
     for ax in axes[-1]:
-        ax.set_xlabel("N (sequence length)", fontsize=9)
+        ax.set_xlabel("N (sequence length)", fontsize=10)
     for ax in axes[:, 0]:
-        ax.set_ylabel("TFLOP/s", fontsize=9)
+        ax.set_ylabel("TFLOP/s", fontsize=10)
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=9, frameon=False)
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=10, frameon=False)
     fig.suptitle(title, fontsize=11)
     fig.tight_layout(rect=(0, (0.07 + 0.04 * (len(labels) // 2)) * 2 / (rows + 1), 1, 1))
     return fig

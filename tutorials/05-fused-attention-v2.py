@@ -133,8 +133,9 @@ def draw_block_grid(n=300, block_m=64, block_n=32):
     for ax, causal in zip(axes, (False, True)):
         kinds = block_kinds(n, block_m, block_n, causal)
         ax.imshow(kinds, cmap=cmap, vmin=0, vmax=2, aspect="auto")
-        ax.set_xticks(range(kinds.shape[1]), [str(j * block_n) for j in range(kinds.shape[1])], rotation=90, fontsize=9)
-        ax.set_yticks(range(kinds.shape[0]), [str(i * block_m) for i in range(kinds.shape[0])], fontsize=9)
+        ax.set_xticks(range(kinds.shape[1]), [str(j * block_n) for j in range(kinds.shape[1])], rotation=90,
+                      fontsize=10)
+        ax.set_yticks(range(kinds.shape[0]), [str(i * block_m) for i in range(kinds.shape[0])], fontsize=10)
         ax.set_xticks([x - 0.5 for x in range(kinds.shape[1] + 1)], minor=True)
         ax.set_yticks([y - 0.5 for y in range(kinds.shape[0] + 1)], minor=True)
         ax.grid(which="minor", color="white", linewidth=1.5)
@@ -143,10 +144,10 @@ def draw_block_grid(n=300, block_m=64, block_n=32):
                ylabel="first query of the block")
         counts = [(kinds == k).sum().item() for k in (2, 1, 0)]
         ax.text(0.5, -0.32, f"{counts[0]} without mask, {counts[1]} masked, {counts[2]} skipped",
-                transform=ax.transAxes, ha="center", fontsize=9)
+                transform=ax.transAxes, ha="center", fontsize=10)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in cmap.colors[::-1]]
     fig.legend(handles, ["no mask needed", "masked (diagonal or ragged end)", "skipped"], loc="upper center",
-               ncol=3, fontsize=9, frameon=False)
+               ncol=3, fontsize=10, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 0.92))
     return fig
 
@@ -378,20 +379,20 @@ def draw_backward_passes(n_blocks=8, key_block=2, query_block=5):
                 color = "#3b7dd8" if walked else "#dddddd"
                 ax.add_patch(plt.Rectangle((j, i), 0.94, 0.94, color=color, alpha=1.0 if walked else 0.7))
                 if walked and i == j:
-                    ax.text(j + 0.47, i + 0.5, "mask", ha="center", va="center", fontsize=9, color="white")
+                    ax.text(j + 0.47, i + 0.5, "mask", ha="center", va="center", fontsize=10, color="white")
         if owns_keys:
-            ax.annotate("", xy=(key_block + 0.47, n_blocks - 0.1), xytext=(key_block + 0.47, key_block + 0.1),
+            ax.annotate("", xy=(key_block + 0.47, n_blocks - 0.1), xytext=(key_block + 0.47, key_block + 0.9),
                         arrowprops=dict(arrowstyle="->", lw=2, color="#c0392b"))
             note = "walks down the query blocks;\nholds dK, dV in registers;\nadds dS K to dQ (atomic) or not"
         else:
-            ax.annotate("", xy=(query_block + 0.9, query_block + 0.47), xytext=(0.05, query_block + 0.47),
+            ax.annotate("", xy=(query_block - 0.05, query_block + 0.47), xytext=(0.05, query_block + 0.47),
                         arrowprops=dict(arrowstyle="->", lw=2, color="#c0392b"))
             note = "walks across the key blocks;\nholds dQ in registers;\nrecomputes S and dP"
-        ax.text(n_blocks - 0.1, 0.3, note, ha="right", va="top", fontsize=9)
+        ax.text(n_blocks - 0.1, 0.3, note, ha="right", va="top", fontsize=10)
         ax.set(xlim=(0, n_blocks), ylim=(n_blocks, 0), xlabel="key block", ylabel="query block")
-        ax.set_title(title, fontsize=10)
-        ax.set_xticks([j + 0.47 for j in range(n_blocks)], range(n_blocks), fontsize=9)
-        ax.set_yticks([i + 0.47 for i in range(n_blocks)], range(n_blocks), fontsize=9)
+        ax.set_title(title, fontsize=11)
+        ax.set_xticks([j + 0.47 for j in range(n_blocks)], range(n_blocks), fontsize=10)
+        ax.set_yticks([i + 0.47 for i in range(n_blocks)], range(n_blocks), fontsize=10)
         ax.set_aspect("equal")
     fig.tight_layout()
     return fig

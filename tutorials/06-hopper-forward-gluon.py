@@ -110,26 +110,26 @@ def draw_roles(blocks=4):
     for j in range(blocks + 1):
         if j < blocks:
             ax.broken_barh([(j * 3.0, 1.2), (j * 3.0 + 1.3, 1.2)], (lanes["loader warp"] - 0.3, 0.6), color=copy)
-            ax.text(j * 3.0 + 0.6, 2.0, f"K{j}", ha="center", va="center", fontsize=9, color="white")
-            ax.text(j * 3.0 + 1.9, 2.0, f"V{j}", ha="center", va="center", fontsize=9, color="white")
+            ax.text(j * 3.0 + 0.6, 2.0, f"K{j}", ha="center", va="center", fontsize=10, color="white")
+            ax.text(j * 3.0 + 1.9, 2.0, f"V{j}", ha="center", va="center", fontsize=10, color="white")
         for lane, offset in (("consumer group 0", 1.4), ("consumer group 1", 2.4)):
             t = j * 3.0 + offset
             y = lanes[lane]
             if j < blocks:
                 ax.broken_barh([(t, 0.8)], (y - 0.3, 0.6), color=tensor)
-                ax.text(t + 0.4, y, f"S{j}", ha="center", va="center", fontsize=9, color="white")
+                ax.text(t + 0.4, y, f"S{j}", ha="center", va="center", fontsize=10, color="white")
                 ax.broken_barh([(t + 0.85, 1.1)], (y - 0.3, 0.6), color=alu)
-                ax.text(t + 1.4, y, f"exp{j}", ha="center", va="center", fontsize=9)
+                ax.text(t + 1.4, y, f"exp{j}", ha="center", va="center", fontsize=10)
             if j > 0:  # P_{j-1} V_{j-1} runs on the tensor cores while exp_j runs
                 ax.broken_barh([(t + 0.85, 1.1)], (y - 0.42, 0.12), color=tensor)
-                ax.text(t + 1.4, y - 0.55, f"P{j - 1}V{j - 1}", ha="center", va="center", fontsize=9)
-    ax.set_yticks(list(lanes.values()), list(lanes.keys()), fontsize=9)
+                ax.text(t + 1.4, y - 0.55, f"P{j - 1}V{j - 1}", ha="center", va="center", fontsize=10)
+    ax.set_yticks(list(lanes.values()), list(lanes.keys()), fontsize=10)
     ax.set_xticks([])
-    ax.set_xlabel("time (illustrative)", fontsize=9)
+    ax.set_xlabel("time (illustrative)", fontsize=10)
     ax.set_ylim(-0.8, 2.5)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in (copy, tensor, alu)]
     ax.legend(handles, ["TMA copy into a buffer", "tensor cores (wgmma)", "exponentials (ordinary cores)"],
-              loc="upper center", bbox_to_anchor=(0.5, 1.22), ncol=3, fontsize=9, frameon=False)
+              loc="upper center", bbox_to_anchor=(0.5, 1.22), ncol=3, fontsize=10, frameon=False)
     fig.tight_layout()
     return fig
 
@@ -166,11 +166,11 @@ def draw_ring(blocks=6, stages=2):
         buffer, full, empty = ring_slot(j, stages)
         ax.add_patch(plt.Rectangle((j, buffer), 0.92, 0.9, color=["#3b7dd8", "#e4a23c", "#2ca02c"][buffer % 3]))
         ax.text(j + 0.46, buffer + 0.45, f"block {j}\nfull: wait {full}\nempty: wait {empty}", ha="center",
-                va="center", fontsize=9, color="white")
+                va="center", fontsize=10, color="white")
     ax.set(xlim=(0, blocks), ylim=(stages, 0))
-    ax.set_yticks([b + 0.45 for b in range(stages)], [f"buffer {b}" for b in range(stages)], fontsize=9)
+    ax.set_yticks([b + 0.45 for b in range(stages)], [f"buffer {b}" for b in range(stages)], fontsize=10)
     ax.set_xticks([])
-    ax.set_xlabel("key blocks, in the order the loader fills them", fontsize=9)
+    ax.set_xlabel("key blocks, in the order the loader fills them", fontsize=10)
     fig.tight_layout()
     return fig
 

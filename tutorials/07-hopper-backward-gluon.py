@@ -104,21 +104,21 @@ def draw_split(keys=128, queries=64, D=128):
     for g in range(2):
         axes[0].add_patch(plt.Rectangle((0, g * keys / 2), D, keys / 2, color=colors[g]))
         axes[0].text(D / 2, g * keys / 2 + keys / 4, f"group {g}:\nkeys {g * keys // 2}-{(g + 1) * keys // 2 - 1}\n"
-                     "dK, dV", ha="center", va="center", fontsize=9, color="white")
+                     "dK, dV", ha="center", va="center", fontsize=10, color="white")
         axes[1].add_patch(plt.Rectangle((0, g * keys / 2), queries, keys / 2, color=colors[g], alpha=0.8))
         axes[1].text(queries / 2, g * keys / 2 + keys / 4, f"dS^T of\ngroup {g}\n(shared)", ha="center",
-                     va="center", fontsize=9, color="white")
+                     va="center", fontsize=10, color="white")
         axes[2].add_patch(plt.Rectangle((g * D / 2, 0), D / 2, queries, color=colors[g]))
         axes[2].text(g * D / 2 + D / 4, queries / 2, f"group {g}:\ncolumns\n{g * D // 2}-{(g + 1) * D // 2 - 1}",
-                     ha="center", va="center", fontsize=9, color="white")
+                     ha="center", va="center", fontsize=10, color="white")
     for ax, (title, w, h, xl, yl) in zip(axes, [("accumulators", D, keys, "head dim", "key"),
                                                ("dS^T in shared memory", queries, keys, "query", "key"),
                                                ("dQ tile sent by TMA reduction", D, queries, "head dim", "query")]):
         ax.set(xlim=(0, w), ylim=(h, 0))
-        ax.set_title(title, fontsize=9)
-        ax.set_xlabel(xl, fontsize=9)
-        ax.set_ylabel(yl, fontsize=9)
-        ax.tick_params(labelsize=9)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(xl, fontsize=10)
+        ax.set_ylabel(yl, fontsize=10)
+        ax.tick_params(labelsize=10)
     fig.tight_layout()
     return fig
 
