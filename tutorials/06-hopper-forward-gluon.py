@@ -537,11 +537,49 @@ WS = "Triton, warp-specialized (Gluon)"
 PORTABLE = "Triton v2 (lesson 05)"
 
 
-def forward_providers(causal, D):
+def portable_and_sdpa(causal, D):
+    """Lesson 05's kernels and SDPA's backends: what both Hopper lessons measure themselves against."""
     scale = D ** -0.5
     providers = {PORTABLE: lambda q, k, v: V2.attention(q, k, v, causal, scale)}
     providers.update(V2.sdpa_providers(causal, scale, V2.PEERS))
     return providers
+
+
+def hopper_benchmark(mode, extra_timers, title):
+    """Lesson 05's cases in one mode (fwd or bwd), plotted: (results, table, peak, cases, sizes)."""
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    print(V2.describe_platform())
+    if ON_GPU:
+        cases, sizes = [(4, 32, 64), (4, 16, 128)], [1024, 2048, 4096, 8192, 16384]
+    else:
+        cases, sizes = [(1, 2, 64), (1, 1, 128)], [64, 128]
+    peak = V2.matmul_tflops()
+    print(f"fp16 matrix-multiply rate, measured now: {peak:.3g} TFLOP/s")
+    results = pd.DataFrame(V2.run_benchmark(cases, sizes, portable_and_sdpa, (mode,), extra_timers))
+    table = results.pivot_table(index=["D", "causal", "mode", "N"], columns="provider", values="value", sort=False)
+    V2.plot_mode(table, mode, peak, title + (" on this GPU" if ON_GPU else " on the interpreter"))
+    plt.show()
+    return results, table, peak, cases, sizes
+
+
+def against_portable(table, peak, portable_name):
+    """One line per (head dim, masking): Gluon against SDPA and lesson 05, or lesson 05 against SDPA."""
+    peers = [c for c in V2.PEERS if c in table]
+    for (D, causal, _), part in table.groupby(level=["D", "causal", "mode"], sort=False):
+        best_peer = part[peers].max(axis=1)
+        line = f"D={D:3d} {'causal    ' if causal else 'non-causal'}: "
+        if WS in part:
+            ws, portable = part[WS] / best_peer, part[WS] / part[PORTABLE]
+            line += (f"Gluon is {ws.min():.2f}x to {ws.max():.2f}x the fastest SDPA backend and {portable.min():.2f}x "
+                     f"to {portable.max():.2f}x {portable_name} (faster at {(portable > 1).sum()} of "
+                     f"{len(portable)} sizes), up to {part[WS].max() / peak:.0%} of the matmul rate")
+        else:
+            ratio = part[PORTABLE] / best_peer
+            line += f"{portable_name} is {ratio.min():.2f}x to {ratio.max():.2f}x the fastest SDPA backend"
+        print(line)
+    return peers
 
 
 FP8 = "Triton v2 fp8"
@@ -562,20 +600,7 @@ def hopper_timers(q, k, v, causal, D):
 
 
 if __name__ == "__main__":
-    import matplotlib.pyplot as plt
-    import pandas as pd
-
-    print(V2.describe_platform())
-    if ON_GPU:
-        cases, sizes = [(4, 32, 64), (4, 16, 128)], [1024, 2048, 4096, 8192, 16384]
-    else:
-        cases, sizes = [(1, 2, 64), (1, 1, 128)], [64, 128]
-    peak = V2.matmul_tflops()
-    print(f"fp16 matrix-multiply rate, measured now: {peak:.3g} TFLOP/s")
-    results = pd.DataFrame(V2.run_benchmark(cases, sizes, forward_providers, ("fwd",), hopper_timers))
-    table = results.pivot_table(index=["D", "causal", "mode", "N"], columns="provider", values="value", sort=False)
-    V2.plot_mode(table, "fwd", peak, "Forward pass on " + ("this GPU" if ON_GPU else "the interpreter"))
-    plt.show()
+    results, table, peak, cases, sizes = hopper_benchmark("fwd", hopper_timers, "Forward pass")
 
 # %%
 # The table, in TFLOP/s:
@@ -588,19 +613,7 @@ V2.results_table(results) if __name__ == "__main__" else None
 # Computed from the table above, in this run.
 
 if __name__ == "__main__":
-    peers = [c for c in V2.PEERS if c in table]
-    for (D, causal, _), part in table.groupby(level=["D", "causal", "mode"], sort=False):
-        best_peer = part[peers].max(axis=1)
-        line = f"D={D:3d} {'causal    ' if causal else 'non-causal'}: "
-        if WS in part:
-            ws, portable = part[WS] / best_peer, part[WS] / part[PORTABLE]
-            line += (f"Gluon is {ws.min():.2f}x to {ws.max():.2f}x the fastest SDPA backend and {portable.min():.2f}x "
-                     f"to {portable.max():.2f}x the portable kernel (faster at {(portable > 1).sum()} of "
-                     f"{len(portable)} sizes), up to {part[WS].max() / peak:.0%} of the matmul rate")
-        else:
-            ratio = part[PORTABLE] / best_peer
-            line += f"the portable kernel is {ratio.min():.2f}x to {ratio.max():.2f}x the fastest SDPA backend"
-        print(line)
+    peers = against_portable(table, peak, "lesson 05's kernel")
     if FP8 in table:
         fp8 = (table[FP8] / table[PORTABLE]).dropna()
         print(f"fp8 forward vs. lesson 05's fp16 forward: {fp8.min():.2f}x to {fp8.max():.2f}x, where the datasheet's "

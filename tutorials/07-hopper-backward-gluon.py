@@ -458,13 +458,6 @@ if __name__ == "__main__":
 WS, PORTABLE = FWD.WS, FWD.PORTABLE
 
 
-def backward_providers(causal, D):
-    scale = D ** -0.5
-    providers = {PORTABLE: lambda q, k, v: V2.attention(q, k, v, causal, scale)}
-    providers.update(V2.sdpa_providers(causal, scale, V2.PEERS))
-    return providers
-
-
 def gluon_timer(q, k, v, causal, D):
     if FWD.warp_specialized_unsupported(q, k, v) is not None:
         return {}
@@ -473,20 +466,7 @@ def gluon_timer(q, k, v, causal, D):
 
 
 if __name__ == "__main__":
-    import matplotlib.pyplot as plt
-    import pandas as pd
-
-    print(V2.describe_platform())
-    if ON_GPU:
-        cases, sizes = [(4, 32, 64), (4, 16, 128)], [1024, 2048, 4096, 8192, 16384]
-    else:
-        cases, sizes = [(1, 2, 64), (1, 1, 128)], [64, 128]
-    peak = V2.matmul_tflops()
-    print(f"fp16 matrix-multiply rate, measured now: {peak:.3g} TFLOP/s")
-    results = pd.DataFrame(V2.run_benchmark(cases, sizes, backward_providers, ("bwd",), gluon_timer))
-    table = results.pivot_table(index=["D", "causal", "mode", "N"], columns="provider", values="value", sort=False)
-    V2.plot_mode(table, "bwd", peak, "Backward pass on " + ("this GPU" if ON_GPU else "the interpreter"))
-    plt.show()
+    results, table, peak, cases, sizes = FWD.hopper_benchmark("bwd", gluon_timer, "Backward pass")
 
 # %%
 # The table, in TFLOP/s:
@@ -499,19 +479,7 @@ V2.results_table(results) if __name__ == "__main__" else None
 # Computed from the table above, in this run.
 
 if __name__ == "__main__":
-    peers = [c for c in V2.PEERS if c in table]
-    for (D, causal, _), part in table.groupby(level=["D", "causal", "mode"], sort=False):
-        best_peer = part[peers].max(axis=1)
-        line = f"D={D:3d} {'causal    ' if causal else 'non-causal'}: "
-        if WS in part:
-            ws, portable = part[WS] / best_peer, part[WS] / part[PORTABLE]
-            line += (f"Gluon is {ws.min():.2f}x to {ws.max():.2f}x the fastest SDPA backend and {portable.min():.2f}x "
-                     f"to {portable.max():.2f}x the two-pass backward (faster at {(portable > 1).sum()} of "
-                     f"{len(portable)} sizes), up to {part[WS].max() / peak:.0%} of the matmul rate")
-        else:
-            ratio = part[PORTABLE] / best_peer
-            line += f"the two-pass backward is {ratio.min():.2f}x to {ratio.max():.2f}x the fastest SDPA backend"
-        print(line)
+    peers = FWD.against_portable(table, peak, "lesson 05's two-pass backward")
     if V2.ROUNDS > 1:
         print(V2.spread_summary(results))
     else:
