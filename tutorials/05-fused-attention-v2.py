@@ -45,8 +45,8 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
 
 def load_sibling(stem):
-    """Another lesson of this site, imported from the file next to this one (the site's zip of all
-    lessons has them side by side); None, with a note, when it is not there."""
+    """Another lesson of this site, imported once from the file next to this one (the site's zip of
+    all lessons has them side by side); ImportError, saying what to download, when it is not there."""
     import importlib.util
     import sys
     from pathlib import Path
@@ -57,19 +57,20 @@ def load_sibling(stem):
     here = Path(__file__).parent if "__file__" in globals() else Path.cwd()
     path = here / f"{stem}.py"
     if not path.exists():
-        print(f"{stem}.py is not next to this file, so what needs it is skipped.")
-        return None
+        raise ImportError(f"this lesson needs {stem}.py in the same folder: download all lessons as a zip from "
+                          "the site")
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]  # a half-run lesson must not be found by the next import
+        raise
     return module
 
 
 V1 = load_sibling("04-fused-attention-v1")
-if V1 is None:
-    raise ImportError("this lesson needs 04-fused-attention-v1.py in the same folder: download all lessons as a zip "
-                      "from the site")
 # Lesson 04's input checks, float64 check and benchmark harness, under their own names here.
 check_inputs, resolved, reference_attention, check_against_float64 = (
     V1.check_inputs, V1.resolved, V1.reference_attention, V1.check_against_float64)

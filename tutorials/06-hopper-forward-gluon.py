@@ -18,11 +18,11 @@ You will learn:
 * why fp8 needs V stored with the keys contiguous on Hopper, and what fp8 buys;
 * what the host pays to launch a kernel that needs TMA descriptors, measured against GPU time.
 
-This lesson needs ``05-fused-attention-v2.py`` next to it (the site's zip of all lessons has both):
-where Gluon cannot run (a CPU, or a GPU other than Hopper) it runs that lesson's portable forward,
-and it always reuses that lesson's backward, checks and benchmark helpers. On such a machine this
-page still shows the design and the portable kernel's numbers, and says why the Gluon kernel did
-not run.
+This lesson needs ``05-fused-attention-v2.py`` and ``04-fused-attention-v1.py`` next to it (the
+site's zip of all lessons has them): where Gluon cannot run (a CPU, or a GPU other than Hopper) it
+runs that lesson's portable forward, and it always reuses that lesson's backward, checks and
+benchmark helpers. On such a machine this page still shows the design and the portable kernel's
+numbers, and says why the Gluon kernel did not run.
 """
 
 # %%
@@ -47,8 +47,8 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
 
 def load_sibling(stem):
-    """Another lesson of this site, imported from the file next to this one (the site's zip of all
-    lessons has them side by side); None, with a note, when it is not there."""
+    """Another lesson of this site, imported once from the file next to this one (the site's zip of
+    all lessons has them side by side); ImportError, saying what to download, when it is not there."""
     import importlib.util
     import sys
     from pathlib import Path
@@ -59,19 +59,20 @@ def load_sibling(stem):
     here = Path(__file__).parent if "__file__" in globals() else Path.cwd()
     path = here / f"{stem}.py"
     if not path.exists():
-        print(f"{stem}.py is not next to this file, so what needs it is skipped.")
-        return None
+        raise ImportError(f"this lesson needs {stem}.py in the same folder: download all lessons as a zip from "
+                          "the site")
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]  # a half-run lesson must not be found by the next import
+        raise
     return module
 
 
-V2 = load_sibling("05-fused-attention-v2")
-if V2 is None:
-    raise ImportError("this lesson needs 05-fused-attention-v2.py in the same folder: download all lessons as a zip "
-                      "from the site")
+V2 = load_sibling("05-fused-attention-v2")  # which loads 04-fused-attention-v1 in turn
 
 # %%
 # Who waits for whom in the portable forward

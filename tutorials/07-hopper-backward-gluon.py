@@ -18,11 +18,11 @@ You will learn:
   that removed most of them;
 * how to find where a backward's time goes with the CUDA profiler, kernel by kernel.
 
-This lesson needs ``05-fused-attention-v2.py`` and ``06-hopper-forward-gluon.py`` next to it (the
-site's zip of all lessons has them): it runs lesson 06's forward, reuses lesson 05's preprocess,
-checks and benchmark helpers, and falls back to lesson 05's backward where Gluon cannot run. On
-such a machine this page still shows the design and the portable kernels' numbers, and says why
-the Gluon kernel did not run.
+This lesson needs ``04-fused-attention-v1.py``, ``05-fused-attention-v2.py`` and
+``06-hopper-forward-gluon.py`` next to it (the site's zip of all lessons has them): it runs lesson
+06's forward, reuses lesson 05's preprocess, checks and benchmark helpers, and falls back to lesson
+05's backward where Gluon cannot run. On such a machine this page still shows the design and the
+portable kernels' numbers, and says why the Gluon kernel did not run.
 """
 
 # %%
@@ -46,8 +46,8 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
 
 def load_sibling(stem):
-    """Another lesson of this site, imported from the file next to this one (the site's zip of all
-    lessons has them side by side); None, with a note, when it is not there."""
+    """Another lesson of this site, imported once from the file next to this one (the site's zip of
+    all lessons has them side by side); ImportError, saying what to download, when it is not there."""
     import importlib.util
     import sys
     from pathlib import Path
@@ -58,19 +58,20 @@ def load_sibling(stem):
     here = Path(__file__).parent if "__file__" in globals() else Path.cwd()
     path = here / f"{stem}.py"
     if not path.exists():
-        print(f"{stem}.py is not next to this file, so what needs it is skipped.")
-        return None
+        raise ImportError(f"this lesson needs {stem}.py in the same folder: download all lessons as a zip from "
+                          "the site")
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]  # a half-run lesson must not be found by the next import
+        raise
     return module
 
 
 V2, FWD = load_sibling("05-fused-attention-v2"), load_sibling("06-hopper-forward-gluon")
-if V2 is None or FWD is None:
-    raise ImportError("this lesson needs 05-fused-attention-v2.py and 06-hopper-forward-gluon.py in the same folder: "
-                      "download all lessons as a zip from the site")
 
 # %%
 # Five products, one program per key block
