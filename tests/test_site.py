@@ -5,6 +5,7 @@ each benchmarking lesson leaves for the performance page following perf_summary'
 
 import ast
 import copy
+import html
 import json
 import re
 import runpy
@@ -192,9 +193,17 @@ def test_a_results_file_carries_its_own_name(tmp_path):
         perf_summary.load_results(tmp_path)
 
 
-def table_rows(html):
-    return [[re.sub(r"<[^>]+>", "", cell).strip() for cell in re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)]
-            for row in re.findall(r"<tr[^>]*>(.*?)</tr>", html, re.S)]
+def text_of(markup):
+    return html.unescape(re.sub(r"<[^>]+>", "", markup)).strip()
+
+
+def table_rows(markup, cell="td"):
+    return [[text_of(c) for c in re.findall(rf"<{cell}[^>]*>(.*?)</{cell}>", row, re.S)]
+            for row in re.findall(r"<tr[^>]*>(.*?)</tr>", markup, re.S)]
+
+
+def page_tables(page):
+    return re.findall(r"<table.*?</table>", page, re.S)
 
 
 def test_performance_page_is_computed_from_this_build(site):
@@ -209,12 +218,33 @@ def test_performance_page_is_computed_from_this_build(site):
     ceilings = {f"{b['ceiling_name']}: {perf_summary.format_rate(b['ceiling'])} {b['unit']}"
                 for r in results for b in r["benchmarks"]}
     ratio = r"n/a|\d+\.\d\dx .+ \(.*\)"
-    rows = [row for row in table_rows(page) if row]
+    rows = [row for row in table_rows(page_tables(page)[0]) if row]
     assert rows
     for _, _, _, best, worst, fraction, ceiling in rows:
         assert re.fullmatch(ratio, best) and re.fullmatch(ratio, worst), (best, worst)
         assert re.fullmatch(r"best \d+% \(.*\), worst \d+% \(.*\)", fraction), fraction
         assert ceiling in ceilings, (ceiling, ceilings)
+
+
+def test_performance_page_shows_every_case(site):
+    """Below the summary, each benchmark's heading names and links its lesson, and its table shows every
+    case as case_table computes it from this build's results."""
+    results = perf_summary.load_results(RESULTS)
+    page = (site / "performance.html").read_text()
+    sections = re.findall(r'<p class="rubric">(.*?)</p>\s*(?:<div[^>]*>\s*)?(<table.*?</table>)', page, re.S)
+    benches = [(r["tutorial"], b) for r in results for b in r["benchmarks"]]
+    assert len(sections) == len(benches) == len(page_tables(page)) - 1
+    for (heading, table), (tutorial, bench) in zip(sections, benches):
+        assert f'href="tutorials/{tutorial}.html"' in heading, heading
+        assert text_of(heading) == f"{tutorial}: {bench['name']}"
+        assert 'class="perf-summary' in table, "the case tables share the summary's look on a phone"
+        header, rows = perf_summary.case_table(bench)
+        assert [row for row in table_rows(table, "th") if row] == [header]
+        assert [row for row in table_rows(table) if row] == rows
+        for row in rows:
+            kernels = row[len(perf_summary.case_columns(bench)):]
+            for ratio, fraction in zip(kernels[::2], kernels[1::2], strict=True):
+                assert re.fullmatch(r"n/a|\d+\.\d\dx .+", ratio) and re.fullmatch(r"n/a|\d+%", fraction), row
 
 
 @pytest.mark.parametrize("value, text", [(727.7, "728"), (3352.1, "3352"), (99.96, "100"), (42.45, "42.5"),
@@ -232,6 +262,54 @@ def test_perf_summary_ratios():
     assert summary["best_ratio"][:2] == (1.25, (("N", "1"),)) and summary["best_ratio"][2] == "b"
     assert summary["worst_ratio"][:3] == (0.9, (("N", "2"),), "a")
     assert summary["best_fraction"][0] == 0.9 and summary["worst_fraction"][0] == 0.5
+
+
+# Two kernels, two peers, a ceiling of 200: a case with everything measured, one where our first kernel's
+# value is NaN, one where no peer was measured (None and NaN), and one where our second kernel and one
+# peer have no row at all, beside a faster provider that is neither ours nor a peer.
+PER_CASE_BENCH = {"name": "b", "unit": "GB/s", "ceiling_name": "copy bandwidth", "ceiling": 200.0,
+                  "ours": ["mine", "other"], "peers": ["a", "b"], "rows": [
+    {"dtype": "fp16", "N": 1, "provider": "mine", "value": 90.0},
+    {"dtype": "fp16", "N": 1, "provider": "a", "value": 100.0},
+    {"dtype": "fp16", "N": 1, "provider": "b", "value": 80.0},
+    {"dtype": "fp16", "N": 1, "provider": "other", "value": 120.0},
+    {"dtype": "fp16", "N": 2, "provider": "mine", "value": float("nan")},
+    {"dtype": "fp16", "N": 2, "provider": "a", "value": 50.0},
+    {"dtype": "fp16", "N": 2, "provider": "b", "value": 60.0},
+    {"dtype": "fp16", "N": 2, "provider": "other", "value": 30.0},
+    {"dtype": "fp32", "N": 1, "provider": "mine", "value": 20.0},
+    {"dtype": "fp32", "N": 1, "provider": "a", "value": None},
+    {"dtype": "fp32", "N": 1, "provider": "b", "value": float("nan")},
+    {"dtype": "fp32", "N": 1, "provider": "other", "value": 10.0},
+    {"dtype": "fp32", "N": 2, "provider": "mine", "value": 40.0},
+    {"dtype": "fp32", "N": 2, "provider": "b", "value": 32.0},
+    {"dtype": "fp32", "N": 2, "provider": "ignored", "value": 1000.0}]}
+
+
+def test_perf_per_case_ratios_and_fractions():
+    perf_summary.validate_record({"tutorial": "01-x", "platform": "GPU: test", "on_gpu": True,
+                                  "date": "2026-11-22", "benchmarks": [PER_CASE_BENCH]})
+    cases = perf_summary.per_case(PER_CASE_BENCH)
+    assert [c["case"] for c in cases] == [{"dtype": "fp16", "N": 1}, {"dtype": "fp16", "N": 2},
+                                          {"dtype": "fp32", "N": 1}, {"dtype": "fp32", "N": 2}]
+    got = [{k: (v["ratio"], v["fraction"]) for k, v in c["kernels"].items()} for c in cases]
+    assert got == [
+        {"mine": ((pytest.approx(0.9), "a"), pytest.approx(0.45)),
+         "other": ((pytest.approx(1.2), "a"), pytest.approx(0.6))},
+        {"mine": (None, None), "other": ((pytest.approx(0.5), "b"), pytest.approx(0.15))},
+        {"mine": (None, pytest.approx(0.1)), "other": (None, pytest.approx(0.05))},
+        {"mine": ((pytest.approx(1.25), "b"), pytest.approx(0.2)), "other": (None, None)}]
+
+
+def test_perf_case_table_text():
+    header, rows = perf_summary.case_table(PER_CASE_BENCH)
+    assert header == ["dtype", "N",
+                      "mine vs. strongest peer", "mine, fraction of copy bandwidth (200 GB/s)",
+                      "other vs. strongest peer", "other, fraction of copy bandwidth (200 GB/s)"]
+    assert rows == [["fp16", "1", "0.90x a", "45%", "1.20x a", "60%"],
+                    ["fp16", "2", "n/a", "n/a", "0.50x b", "15%"],
+                    ["fp32", "1", "n/a", "10%", "n/a", "5%"],
+                    ["fp32", "2", "1.25x b", "20%", "n/a", "n/a"]]
 
 
 @pytest.mark.parametrize("lesson", LESSONS)

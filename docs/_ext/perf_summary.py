@@ -24,7 +24,8 @@ and ``validate_record`` checks it on every load::
             ...]}]}
 
 For every kernel of ours, the page gives its best and worst ratio to the strongest peer measured at
-the same case, and its best and worst fraction of the device ceiling measured in the same run.
+the same case, and its best and worst fraction of the device ceiling measured in the same run; then,
+for every benchmark, a table with the same two quantities at each case.
 Each quantity has one format wherever the page shows it: ``format_ratio``, ``format_fraction`` and
 ``format_rate`` (the ceiling).
 """
@@ -144,23 +145,48 @@ def _case_text(key):
     return ", ".join(f"{k}={v}" for k, v in key)
 
 
+def case_columns(bench):
+    """The case columns of a benchmark's rows, in the order the rows carry them."""
+    return [name for name in bench["rows"][0] if name not in ("provider", "value")] if bench["rows"] else []
+
+
+def per_case(bench):
+    """One entry per case, in the order cases first appear in the rows: for each kernel of ours, its
+    ratio to the strongest peer measured at that case, as (ratio, peer), and its fraction of the
+    ceiling; None where the kernel, or for the ratio every peer, was not measured there."""
+    columns, cases = case_columns(bench), {}
+    for row in bench["rows"]:
+        case = {name: row[name] for name in columns}
+        _, values = cases.setdefault(_case_key(row), (case, {}))
+        if row["value"] is not None and row["value"] == row["value"]:  # skip None and NaN
+            values[row["provider"]] = float(row["value"])
+    out = []
+    for key, (case, values) in cases.items():
+        peers = [(values[p], p) for p in bench["peers"] if p in values]
+        strongest = max(peers) if peers else None
+        kernels = {}
+        for ours in bench["ours"]:
+            value = values.get(ours)
+            kernels[ours] = {
+                "ratio": None if value is None or strongest is None else (value / strongest[0], strongest[1]),
+                "fraction": None if value is None else value / bench["ceiling"],
+            }
+        out.append({"key": key, "case": case, "kernels": kernels})
+    return out
+
+
 def summarize(bench):
     """One summary row per kernel of ours: ratios to the best peer, fractions of the ceiling."""
-    cases = {}
-    for row in bench["rows"]:
-        if row["value"] is not None and row["value"] == row["value"]:  # skip None and NaN
-            cases.setdefault(_case_key(row), {})[row["provider"]] = float(row["value"])
+    cases = per_case(bench)
     out = []
     for ours in bench["ours"]:
         ratios, fractions = [], []
-        for key, values in cases.items():
-            if ours not in values:
-                continue
-            fractions.append((values[ours] / bench["ceiling"], key))
-            peers = [(values[p], p) for p in bench["peers"] if p in values]
-            if peers:
-                best_value, best_peer = max(peers)
-                ratios.append((values[ours] / best_value, key, best_peer))
+        for case in cases:
+            kernel = case["kernels"][ours]
+            if kernel["fraction"] is not None:
+                fractions.append((kernel["fraction"], case["key"]))
+            if kernel["ratio"] is not None:
+                ratios.append((kernel["ratio"][0], case["key"], kernel["ratio"][1]))
         if not fractions:
             continue
         out.append({
@@ -171,6 +197,25 @@ def summarize(bench):
             "worst_fraction": min(fractions),
         })
     return out
+
+
+def case_table(bench):
+    """The header and text rows of a benchmark's table of cases: the case columns, then for each kernel
+    of ours its ratio to the strongest peer there (naming that peer) and its fraction of the ceiling."""
+    ceiling = f"{bench['ceiling_name']} ({format_rate(bench['ceiling'])} {bench['unit']})"
+    header = case_columns(bench)
+    for ours in bench["ours"]:
+        header += [f"{ours} vs. strongest peer", f"{ours}, fraction of {ceiling}"]
+    rows = []
+    for case in per_case(bench):
+        cells = [str(value) for value in case["case"].values()]
+        for ours in bench["ours"]:
+            kernel = case["kernels"][ours]
+            ratio, fraction = kernel["ratio"], kernel["fraction"]
+            cells.append("n/a" if ratio is None else f"{format_ratio(ratio[0])} {ratio[1]}")
+            cells.append("n/a" if fraction is None else format_fraction(fraction))
+        rows.append(cells)
+    return header, rows
 
 
 def gpu_driver():
@@ -210,7 +255,7 @@ def _table(header, rows):
         row = nodes.row()
         for cell in cells:
             entry = nodes.entry()
-            entry += cell if isinstance(cell, nodes.paragraph) else nodes.paragraph(text=str(cell))
+            entry += nodes.paragraph("", "", cell) if isinstance(cell, nodes.Node) else nodes.paragraph(text=str(cell))
             row += entry
         parent += row
     return table
@@ -230,7 +275,7 @@ class PerfSummary(Directive):
         link = pending_xref("", nodes.inline(text=tutorial), refdomain="std", reftype="doc",
                             reftarget=f"/{gallery}/{tutorial}", refexplicit=True, refwarn=True,
                             refdoc=env.docname)
-        return nodes.paragraph("", "", link)
+        return link
 
     def run(self):
         env = self.state.document.settings.env
@@ -272,6 +317,13 @@ class PerfSummary(Directive):
                         f"{bench['ceiling_name']}: {format_rate(bench['ceiling'])} {bench['unit']}",
                     ])
         out.append(_table(header, rows))
+        for result in results:
+            for bench in result["benchmarks"]:
+                # A rubric, not a section: a directive's output sits inside the page's own section. One
+                # inline holds the heading, as the theme stacks a rubric's children one below another.
+                out.append(nodes.rubric("", "", nodes.inline("", "", self._lesson_link(result["tutorial"]),
+                                                             nodes.Text(f": {bench['name']}"))))
+                out.append(_table(*case_table(bench)))
         return out
 
 
