@@ -13,6 +13,18 @@ from torch.nn.functional import scaled_dot_product_attention
 
 V1, V2 = load("04-fused-attention-v1"), load("05-fused-attention-v2")
 HOPPER_FWD, HOPPER = load("06-hopper-forward-gluon"), load("07-hopper-backward-gluon")
+
+
+def gluon_where_it_runs(attention):
+    """attention, insisting on the Gluon kernels wherever they can take the inputs."""
+    def run(q, k, v, causal, sm_scale, **options):
+        try:
+            runs = HOPPER_FWD.warp_specialized_unsupported(q, k, v, float(sm_scale)) is None
+        except (AttributeError, TypeError, ValueError):  # bad input: attention's own checks say what is wrong
+            runs = False
+        return attention(q, k, v, causal, sm_scale, warp_specialized=True if runs else None, **options)
+    return run
+
 # v2's backward strategies: dQ in its own pass, or added atomically by the dK, dV programs.
 VERSIONS = {"v1": V1.attention, "v2": V2.attention, "v2-atomic-dq": partial(V2.attention, atomic_dq=True)}
 DEVICE = V2.DEVICE  # the lessons run where Triton does: the GPU if there is one
@@ -23,6 +35,9 @@ if ON_HOPPER:
     VERSIONS["hopper-forward"] = HOPPER_FWD.attention
     VERSIONS["hopper"] = HOPPER.attention
     VERSIONS["hopper-two-pass-backward"] = partial(HOPPER.attention, atomic_dq=False)
+    # The tables pick lesson 05's kernels for sequences as short as the tests': these insist on Gluon.
+    VERSIONS["hopper-forward-gluon"] = gluon_where_it_runs(HOPPER_FWD.attention)
+    VERSIONS["hopper-gluon"] = gluon_where_it_runs(HOPPER.attention)
 # Max error over the largest reference value (at least 1: with one key, dQ and dK are exactly 0).
 TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
@@ -511,3 +526,94 @@ def check_heads(q, k, v, out, do, D):
         for name, got, want in (("o", out, ref), ("dq", q.grad, qh.grad), ("dk", k.grad, kh.grad),
                                 ("dv", v.grad, vh.grad)):
             assert_matches(got[b:b + 1, h:h + 1], want, torch.float16, f"{name} at b={b}, h={h}")
+
+
+# The tables that tools/tune.py measured and wrote into lessons 05 to 07.
+CASES = [(D, causal, bucket) for D in (64, 128) for causal in (False, True) for bucket in V2.TUNED_ON["buckets"]]
+
+
+def test_the_tuned_tables_cover_every_case_with_valid_choices():
+    assert V2.TUNED_ON["capability"] == tuple(V2.TUNED_ON["capability"]) and V2.TUNED_ON["gpu"]
+    for name in V2.INTERPRETER_CONFIGS:
+        for D, causal, bucket in CASES:
+            config = V2.TUNED_CONFIGS[(name, D, causal, bucket)]
+            shapes, prune = (V2.FWD_SHAPES, V2._prune_fwd) if name == "fwd" else (V2.BWD_SHAPES, V2._prune_bwd)
+            assert config in shapes, (name, D, causal, bucket, config)
+            assert prune(V2._configs([config]), {}, D=D)[0].kwargs == V2._configs([config])[0].kwargs
+            block_m, block_n = config[:2]
+            assert (block_m % block_n == 0) if name == "fwd" else (block_m <= block_n), config
+            assert V2._fits(V2._configs([config])[0], D), config
+    assert len(V2.TUNED_CONFIGS) == len(V2.INTERPRETER_CONFIGS) * len(CASES)
+    assert sorted(HOPPER_FWD.FORWARD_PATHS) == sorted(CASES)
+    assert set(HOPPER_FWD.FORWARD_PATHS.values()) <= {"gluon", "portable"}
+    assert sorted(HOPPER.BACKWARD_PATHS) == sorted(CASES)
+    assert set(HOPPER.BACKWARD_PATHS.values()) <= {"gluon", "two-pass", "atomic"}
+
+
+def test_tuned_case_applies_on_the_measured_architecture_only(monkeypatch):
+    q = torch.empty(1, 1, 1500, 64, dtype=torch.float16)
+    assert V2.ON_GPU or V2.tuned_case(q, True) is None  # the interpreter runs its one configuration
+    monkeypatch.setattr(V2, "ON_GPU", True)
+    monkeypatch.setattr(V2, "_capability", lambda device: V2.TUNED_ON["capability"])
+    buckets = V2.TUNED_ON["buckets"]
+    for N, bucket in ((1, buckets[0]), (1500, 2048), (2048, 2048), (2049, 4096), (10 ** 6, buckets[-1])):
+        case = V2.tuned_case(torch.empty(1, 1, N, 128, dtype=torch.bfloat16), False)
+        assert case == (128, False, bucket), (N, case)
+    assert V2.tuned_case(q.to(torch.float32), True) is None
+    monkeypatch.setattr(V2, "_capability", lambda device: (8, 0))
+    assert V2.tuned_case(q, True) is None
+
+
+@pytest.mark.parametrize("measured", ["gluon", "two-pass", "atomic"])
+@pytest.mark.parametrize("gluon_runs", [False, True])
+def test_backward_path_follows_the_table_unless_the_caller_chooses(monkeypatch, measured, gluon_runs):
+    monkeypatch.setattr(V2, "tuned_case", lambda q, causal: (64, causal, 1024))
+    monkeypatch.setattr(HOPPER, "BACKWARD_PATHS", {(64, True, 1024): measured})
+
+    def allowed(q, k, v, warp_specialized, sm_scale):
+        if warp_specialized is True and not gluon_runs:
+            raise ValueError("cannot run here")
+        return gluon_runs and warp_specialized is not False
+
+    monkeypatch.setattr(HOPPER_FWD, "gluon_allowed", allowed)
+    q = torch.empty(1, 1, 8, 64, dtype=torch.float16)
+    path = partial(HOPPER.backward_path, q, q, q, True, 0.125)
+    fallback = "gluon" if gluon_runs else "two-pass"
+    assert path(None, None) == (measured if gluon_runs or measured != "gluon" else fallback)
+    assert path(False, None) == path(False, False) == "two-pass"
+    assert path(True, None) == ("gluon" if gluon_runs else "atomic")
+    assert path(True, False) == "atomic"
+    assert path(None, False) == (measured if measured != "gluon" else "two-pass")
+    if gluon_runs:
+        assert path(None, True) == "gluon"
+    else:
+        with pytest.raises(ValueError, match="cannot run here"):
+            path(None, True)
+    monkeypatch.setattr(HOPPER, "BACKWARD_PATHS", {})
+    assert path(None, None) == fallback
+
+
+@pytest.mark.parametrize("measured", ["gluon", "portable"])
+def test_forward_path_follows_the_table_unless_the_caller_chooses(monkeypatch, measured):
+    monkeypatch.setattr(V2, "tuned_case", lambda q, causal: (64, causal, 1024))
+    monkeypatch.setattr(HOPPER_FWD, "FORWARD_PATHS", {(64, False, 1024): measured})
+    monkeypatch.setattr(HOPPER_FWD, "gluon_allowed", lambda q, k, v, ws, scale: ws is not False)
+    q = torch.empty(1, 1, 8, 64, dtype=torch.float16)
+    choose = partial(HOPPER_FWD.use_warp_specialized, q, q, q, False, 0.125)
+    assert choose(None) == (measured == "gluon")
+    assert choose(True) is True and choose(False) is False
+    monkeypatch.setattr(HOPPER_FWD, "FORWARD_PATHS", {})
+    assert choose(None) is True
+
+
+def test_the_sweep_rewrites_only_its_own_block(tmp_path):
+    import tune
+    lesson = tmp_path / "lesson.py"
+    lesson.write_text("before = 1\n# BEGIN tools/tune.py things: written by the sweep\nOLD = {}\n"
+                      "# END tools/tune.py things\nafter = 2\n")
+    table = {(128, True, 1024): (64, 64, 4, 3), (64, False, 2048): (32, 64, 4, 4)}
+    tune.write_block(lesson, "things", tune.literal("NEW", table))
+    namespace = {}
+    exec(lesson.read_text(), namespace)
+    assert namespace["NEW"] == table and namespace["before"] == 1 and namespace["after"] == 2
+    assert "OLD" not in namespace

@@ -13,7 +13,8 @@ def test_a_planted_nan_fails_the_build_by_lesson_and_tensor(site, tmp_path):
     shutil.copytree(TUTORIALS, tmp_path / "tutorials")
     lesson = tmp_path / "tutorials" / "05-fused-attention-v2.py"
     source = lesson.read_text()
-    two_pass_end = "    _dq[grid](q, k, v, do, dq, lse, delta, *args, **meta)\n    return dq, dk, dv\n"
+    two_pass_end = '    _launch(attn_bwd_dq_kernel, "dq", case, grid, q, k, v, do, dq, lse, delta, *args, **meta)\n' \
+                   "    return dq, dk, dv\n"
     assert two_pass_end in source, "the planted NaN needs a new place: the two-pass backward changed"
     planted = "    dq.view(-1)[dq.numel() // 2] = float('nan')  # planted\n    return dq, dk, dv\n"
     lesson.write_text(source.replace(two_pass_end, two_pass_end.replace("    return dq, dk, dv\n", planted)))

@@ -2,18 +2,20 @@
 
     python tools/tune.py softmax        # tile height, warps, pipelining depth, persistent or not
     python tools/tune.py split-row      # chunk and warps of lesson 02's row-sharing kernel
-    python tools/tune.py attention      # forward and backward configurations of lesson 05
+    python tools/tune.py attention      # lesson 05's tiles, and the fastest forward and backward of 06 and 07:
+                                        # rewrites the tables in those lessons
 
 Prints, per problem, the fastest settings and their speed next to the lesson's current choice.
 Uses the lessons' own kernels (imported, not copied); needs a CUDA GPU.
 """
 
+import datetime
 import itertools
 import sys
 
 import torch
 import triton
-from lessons import load
+from lessons import TUTORIALS, load
 
 
 def bench(fn):
@@ -66,7 +68,7 @@ def tune_split_row():
             reference = torch.softmax(x.double(), dim=1)
             results = []
             for chunk, warps in itertools.product((4096, 8192, 16384, 32768), (4, 8, 16, 32)):
-                if not 4 <= chunk // (warps * 32) <= 64:
+                if not 4 <= chunk // (warps * 32) <= 128:
                     continue
                 fn = lambda: lesson.split_row_softmax(x, chunk=chunk, num_warps=warps)  # noqa: E731
                 error = (fn().double() - reference).abs().max().item()
@@ -78,54 +80,88 @@ def tune_split_row():
             print(f"{str(dtype)[6:]:9s} N={N:6d} online {online:5.0f} | split {top}", flush=True)
 
 
+def write_block(path, title, lines):
+    """Replace the lines between "# BEGIN tools/tune.py <title>" and "# END tools/tune.py <title>" in a file."""
+    source = path.read_text().splitlines(keepends=True)
+    begin = next(i for i, line in enumerate(source) if line.startswith(f"# BEGIN tools/tune.py {title}:"))
+    end = next(i for i, line in enumerate(source) if line.startswith(f"# END tools/tune.py {title}"))
+    path.write_text("".join(source[:begin + 1] + [line + "\n" for line in lines] + source[end:]))
+
+
+def literal(name, table):
+    """A dict as Python source, one entry per line, sorted: what write_block puts into a lesson."""
+    return [f"{name} = {{"] + [f"    {key!r}: {value!r}," for key, value in sorted(table.items())] + ["}"]
+
+
 def tune_attention():
-    lesson = load("05-fused-attention-v2")
-    fwd_space = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2), (128, 32, 8, 4),
-                 (128, 64, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 128, 16, 2), (256, 64, 16, 3)]
-    bwd_space = [(32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4), (64, 128, 8, 2), (64, 64, 4, 2),
-                 (32, 128, 8, 3), (64, 64, 8, 3), (16, 128, 4, 4), (32, 64, 8, 3), (128, 128, 8, 2)]
+    """For each head dim, masking and sequence length of lesson 05's benchmark: the fastest configuration
+    of each of lesson 05's kernels, then the faster forward (Gluon or portable) and the fastest backward
+    (Gluon, two-pass or atomic), each timed the way a user calls it, host time included. Writes the
+    tables into lessons 05, 06 and 07."""
+    V1 = load("04-fused-attention-v1")
+    V2 = load("05-fused-attention-v2")
+    FWD = load("06-hopper-forward-gluon")
+    HOPPER = load("07-hopper-backward-gluon")
+    sizes = (1024, 2048, 4096, 8192, 16384)
+    # The launchers read the table while it is being filled: each timing below runs one candidate.
+    V2.TUNED_ON.clear()
+    V2.TUNED_ON.update(gpu=torch.cuda.get_device_name(), capability=torch.cuda.get_device_capability(),
+                       torch=torch.__version__, triton=triton.__version__, date=datetime.date.today().isoformat(),
+                       buckets=sizes)
+    V2.TUNED_CONFIGS.clear()
+    forward_paths, backward_paths = {}, {}
+    cudnn = V1.sdpa_providers
     for D, H in ((64, 32), (128, 16)):
+        fwd_shapes = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+                      for c in V2._prune_fwd(V2._configs(V2.FWD_SHAPES), {}, D=D)]
+        bwd_shapes = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+                      for c in V2._prune_bwd(V2._configs(V2.BWD_SHAPES), {}, D=D)]
         for causal in (False, True):
-            for N in (4096, 16384):
+            scale = D ** -0.5
+            for N in sizes:
                 q, k, v = (torch.randn(4, H, N, D, device="cuda", dtype=torch.float16, requires_grad=True)
                            for _ in range(3))
-                flops = 4 * 4 * H * N * N * D * (0.5 if causal else 1.0)
-                scale = D ** -0.5
-                best = {"fwd": []}
-                for bm, bn, w, s in fwd_space:
-                    if bm % bn:
-                        continue
-                    lesson._fwd.configs = lesson._configs([(bm, bn, w, s)])
-                    lesson._fwd.cache.clear()
-                    try:
-                        ms = bench(lambda: lesson.attention(q, k, v, causal, scale))
-                    except Exception as error:  # out of shared memory, for example
-                        print(f"  fwd {bm},{bn},{w},{s} failed: {str(error).splitlines()[0][:80]}")
-                        continue
-                    best["fwd"].append((flops / ms * 1e-9, (bm, bn, w, s)))
-                lesson._fwd.configs = lesson._configs([(128, 64, 8, 3)])
-                lesson._fwd.cache.clear()
-                for atomic_dq, mode in ((False, "bwd"), (True, "bwd, atomic dQ")):
-                    o = lesson.attention(q, k, v, causal, scale, atomic_dq)
-                    do = torch.randn_like(o)
-                    best[mode] = []
-                    for bm, bn, w, s in bwd_space:
-                        if bm > bn:
-                            continue
-                        config = lesson._configs([(bm, bn, w, s)])
-                        lesson._dkdv.configs, lesson._dq.configs = config, config
-                        lesson._dkdv.cache.clear()
-                        lesson._dq.cache.clear()
-                        try:
-                            ms = bench(lambda: o.backward(do, retain_graph=True))
-                        except Exception as error:
-                            print(f"  {mode} {bm},{bn},{w},{s} failed: {str(error).splitlines()[0][:80]}")
-                            continue
-                        best[mode].append((2.5 * flops / ms * 1e-9, (bm, bn, w, s)))
-                for mode, rows in best.items():
-                    rows.sort(reverse=True)
-                    print(f"D={D} causal={causal} N={N} {mode}: " +
-                          "; ".join(f"{t:.0f} TF/s {c}" for t, c in rows[:4]), flush=True)
+                case = (D, causal, N)
+                tflops = lambda ms, work=4 * 4 * H * N * N * D * (0.5 if causal else 1.0): work / ms * 1e-9  # noqa: E731
+
+                def best(name, shapes, timer):
+                    times = {}
+                    for shape in shapes:
+                        V2.TUNED_CONFIGS[(name, *case)] = shape
+                        times[shape] = timer()
+                    V2.TUNED_CONFIGS[(name, *case)] = min(times, key=times.get)
+                    return min(times.values())
+
+                portable = best("fwd", fwd_shapes, lambda: V1.bench_ms(lambda: V2.attention(q, k, v, causal, scale)))
+                forward = {"portable": portable}
+                if FWD.warp_specialized_unsupported(q, k, v) is None:
+                    forward["gluon"] = V1.bench_ms(lambda: FWD.attention(q, k, v, causal, scale, warp_specialized=True))
+                forward_paths[case] = min(forward, key=forward.get)
+
+                def backward(atomic_dq):
+                    return V1.backward_ms(lambda q, k, v: V2.attention(q, k, v, causal, scale, atomic_dq), q, k, v)
+
+                V2.TUNED_CONFIGS[("dq", *case)] = bwd_shapes[0]  # until its own turn below
+                best("dkdv", bwd_shapes, lambda: backward(False))
+                backward_times = {"two-pass": best("dq", bwd_shapes, lambda: backward(False)),
+                                  "atomic": best("dkdv-atomic", bwd_shapes, lambda: backward(True))}
+                if FWD.warp_specialized_unsupported(q, k, v) is None:
+                    backward_times["gluon"] = V1.backward_ms(
+                        lambda q, k, v: HOPPER.attention(q, k, v, causal, scale, warp_specialized=True), q, k, v)
+                backward_paths[case] = min(backward_times, key=backward_times.get)
+                sdpa = cudnn(causal, scale, ["SDPA cuDNN"])["SDPA cuDNN"]
+                peer_fwd, peer_bwd = V1.bench_ms(lambda: sdpa(q, k, v)), V1.backward_ms(sdpa, q, k, v)
+                print(f"D={D} causal={causal!s:5} N={N:5d} fwd " +
+                      " ".join(f"{p} {tflops(ms):.0f}" for p, ms in forward.items()) +
+                      f" cuDNN {tflops(peer_fwd):.0f} TFLOP/s | bwd " +
+                      " ".join(f"{p} {2.5 * tflops(ms):.0f}" for p, ms in backward_times.items()) +
+                      f" cuDNN {2.5 * tflops(peer_bwd):.0f} | " +
+                      " ".join(f"{name} {V2.TUNED_CONFIGS[(name, *case)]}" for name in V2.INTERPRETER_CONFIGS),
+                      flush=True)
+    write_block(TUTORIALS / "05-fused-attention-v2.py", "attention",
+                literal("TUNED_ON", V2.TUNED_ON) + literal("TUNED_CONFIGS", V2.TUNED_CONFIGS))
+    write_block(TUTORIALS / "06-hopper-forward-gluon.py", "forward paths", literal("FORWARD_PATHS", forward_paths))
+    write_block(TUTORIALS / "07-hopper-backward-gluon.py", "backward paths", literal("BACKWARD_PATHS", backward_paths))
 
 
 if __name__ == "__main__":

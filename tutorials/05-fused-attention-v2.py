@@ -264,22 +264,26 @@ def attn_fwd_kernel(
 # The causal split requires ``BLOCK_M`` to be a multiple of ``BLOCK_N``, so that the diagonal of a
 # query block covers whole key blocks.
 #
-# Autotuning without a slow build
+# Tuning once, not at every build
 # -------------------------------
-# The best tile sizes depend on the GPU, the head dimension and the masking. ``triton.autotune``
-# times each configuration the first time it meets a new *key* and remembers the winner. Two
-# choices keep that affordable: the key is the head dimension, the causal flag and the sequence
-# length rounded to a power of two (not the exact length, which would re-tune for every new
-# :math:`N`), and configurations that cannot work are pruned before any is compiled: tiles that
-# break the causal split, and pipelines whose buffered key and value tiles
-# (``num_stages x 2 x BLOCK_N x D`` elements) would not fit in the SM's shared memory. The candidate
-# list itself is short because it was measured: ``tools/tune.py attention`` in this repository
-# sweeps a wider space on a GPU, and these are the configurations that won somewhere on an H100.
-# (The site's engineering notes record a pruning rule that was guessed, and what the sweep said
-# of it: measure, don't guess.) The best two or three tiles are often within a few percent of each
-# other, less than the GPU's run-to-run noise, so two builds on the same machine can pick
-# different winners: on a GPU, the autotuner's choices are listed near the end of this page.
-# Under the interpreter there is nothing to tune, and one configuration runs.
+# The best tile sizes depend on the GPU, the head dimension, the masking and the sequence length.
+# ``triton.autotune`` would find them by timing every candidate the first time it meets a case,
+# which costs each build minutes of compiling and timing, and costs each call of an autotuned kernel
+# some host time to look its case up. This lesson measures instead once, offline:
+# ``python tools/tune.py attention`` (in this repository) times every candidate below on a GPU,
+# for each head dimension, masking and sequence length of the benchmark, and writes the winners
+# into the table ``TUNED_CONFIGS`` below, with the GPU and versions that produced them. On a GPU of
+# that architecture the launchers take the configuration from the table (a sequence length between
+# two measured ones takes its power-of-two bucket, one outside them the nearest bucket). Anywhere
+# else the autotuner picks from the same candidates, keyed on the head dimension, the causal flag
+# and the sequence length rounded up to a power of two, so that it tunes once per bucket rather
+# than once per length.
+#
+# Candidates that cannot work are never compiled: tiles that break the causal split, and pipelines
+# whose buffered key and value tiles (``num_stages x 2 x BLOCK_N x D`` elements) would not fit in
+# the SM's shared memory. The best two or three configurations are often within a few percent of
+# each other, about the GPU's run-to-run noise, so a new sweep can pick other winners where they
+# are that close. Under the interpreter there is nothing to tune, and one configuration runs.
 
 
 def _configs(shapes):
@@ -303,6 +307,122 @@ def _prune_bwd(configs, named_args, **kwargs):
     D = kwargs.get("D", named_args.get("D"))
     keep = [c for c in configs if c.kwargs["BLOCK_M"] <= c.kwargs["BLOCK_N"] and _fits(c, D)]
     return keep or configs[-1:]
+
+
+# The candidates, (BLOCK_M, BLOCK_N, warps, stages): those that won somewhere on an H100 in wider sweeps.
+FWD_SHAPES = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)]
+BWD_SHAPES = [(64, 128, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 4), (32, 128, 4, 3)]
+# Under the interpreter: one configuration per kernel, obeying the same rules.
+INTERPRETER_CONFIGS = {"fwd": (64, 32, 4, 1), "dkdv": (32, 64, 4, 1), "dkdv-atomic": (32, 64, 4, 1),
+                       "dq": (32, 64, 4, 1)}
+
+# BEGIN tools/tune.py attention: written by the sweep; run it again rather than edit these lines.
+TUNED_ON = {
+    'buckets': (1024, 2048, 4096, 8192, 16384),
+    'capability': (9, 0),
+    'date': '2026-11-22',
+    'gpu': 'NVIDIA H100 80GB HBM3',
+    'torch': '2.11.0+cu130',
+    'triton': '3.6.0',
+}
+TUNED_CONFIGS = {
+    ('dkdv', 64, False, 1024): (64, 64, 4, 3),
+    ('dkdv', 64, False, 2048): (64, 64, 4, 3),
+    ('dkdv', 64, False, 4096): (64, 64, 4, 3),
+    ('dkdv', 64, False, 8192): (64, 64, 4, 2),
+    ('dkdv', 64, False, 16384): (64, 64, 4, 3),
+    ('dkdv', 64, True, 1024): (32, 64, 4, 4),
+    ('dkdv', 64, True, 2048): (64, 64, 4, 3),
+    ('dkdv', 64, True, 4096): (64, 64, 4, 3),
+    ('dkdv', 64, True, 8192): (64, 64, 4, 3),
+    ('dkdv', 64, True, 16384): (64, 64, 4, 3),
+    ('dkdv', 128, False, 1024): (64, 64, 4, 2),
+    ('dkdv', 128, False, 2048): (64, 64, 4, 2),
+    ('dkdv', 128, False, 4096): (64, 64, 4, 2),
+    ('dkdv', 128, False, 8192): (64, 64, 4, 2),
+    ('dkdv', 128, False, 16384): (64, 64, 4, 2),
+    ('dkdv', 128, True, 1024): (64, 64, 4, 2),
+    ('dkdv', 128, True, 2048): (64, 64, 4, 2),
+    ('dkdv', 128, True, 4096): (32, 64, 4, 4),
+    ('dkdv', 128, True, 8192): (64, 64, 4, 2),
+    ('dkdv', 128, True, 16384): (64, 128, 8, 3),
+    ('dkdv-atomic', 64, False, 1024): (64, 64, 4, 3),
+    ('dkdv-atomic', 64, False, 2048): (64, 64, 4, 3),
+    ('dkdv-atomic', 64, False, 4096): (64, 64, 4, 3),
+    ('dkdv-atomic', 64, False, 8192): (64, 64, 4, 3),
+    ('dkdv-atomic', 64, False, 16384): (64, 128, 8, 3),
+    ('dkdv-atomic', 64, True, 1024): (64, 128, 8, 3),
+    ('dkdv-atomic', 64, True, 2048): (64, 64, 4, 3),
+    ('dkdv-atomic', 64, True, 4096): (64, 64, 4, 3),
+    ('dkdv-atomic', 64, True, 8192): (64, 64, 4, 3),
+    ('dkdv-atomic', 64, True, 16384): (64, 128, 8, 3),
+    ('dkdv-atomic', 128, False, 1024): (64, 64, 4, 3),
+    ('dkdv-atomic', 128, False, 2048): (64, 128, 8, 3),
+    ('dkdv-atomic', 128, False, 4096): (64, 128, 8, 3),
+    ('dkdv-atomic', 128, False, 8192): (64, 128, 8, 3),
+    ('dkdv-atomic', 128, False, 16384): (64, 128, 8, 3),
+    ('dkdv-atomic', 128, True, 1024): (64, 128, 8, 3),
+    ('dkdv-atomic', 128, True, 2048): (64, 128, 8, 3),
+    ('dkdv-atomic', 128, True, 4096): (64, 128, 8, 3),
+    ('dkdv-atomic', 128, True, 8192): (64, 128, 8, 3),
+    ('dkdv-atomic', 128, True, 16384): (64, 128, 8, 3),
+    ('dq', 64, False, 1024): (64, 128, 8, 3),
+    ('dq', 64, False, 2048): (64, 64, 4, 2),
+    ('dq', 64, False, 4096): (64, 64, 4, 2),
+    ('dq', 64, False, 8192): (64, 128, 8, 3),
+    ('dq', 64, False, 16384): (64, 128, 8, 3),
+    ('dq', 64, True, 1024): (32, 128, 4, 3),
+    ('dq', 64, True, 2048): (64, 64, 4, 3),
+    ('dq', 64, True, 4096): (64, 64, 4, 2),
+    ('dq', 64, True, 8192): (64, 128, 8, 3),
+    ('dq', 64, True, 16384): (64, 128, 8, 3),
+    ('dq', 128, False, 1024): (64, 128, 8, 3),
+    ('dq', 128, False, 2048): (64, 128, 8, 3),
+    ('dq', 128, False, 4096): (64, 128, 8, 3),
+    ('dq', 128, False, 8192): (64, 64, 4, 2),
+    ('dq', 128, False, 16384): (64, 128, 8, 3),
+    ('dq', 128, True, 1024): (32, 64, 4, 4),
+    ('dq', 128, True, 2048): (64, 128, 8, 3),
+    ('dq', 128, True, 4096): (64, 128, 8, 3),
+    ('dq', 128, True, 8192): (64, 64, 4, 2),
+    ('dq', 128, True, 16384): (64, 128, 8, 3),
+    ('fwd', 64, False, 1024): (64, 64, 4, 3),
+    ('fwd', 64, False, 2048): (128, 64, 8, 4),
+    ('fwd', 64, False, 4096): (128, 64, 8, 3),
+    ('fwd', 64, False, 8192): (128, 64, 8, 3),
+    ('fwd', 64, False, 16384): (128, 64, 8, 4),
+    ('fwd', 64, True, 1024): (64, 64, 4, 3),
+    ('fwd', 64, True, 2048): (64, 64, 4, 3),
+    ('fwd', 64, True, 4096): (128, 64, 8, 3),
+    ('fwd', 64, True, 8192): (128, 64, 8, 4),
+    ('fwd', 64, True, 16384): (128, 64, 8, 3),
+    ('fwd', 128, False, 1024): (128, 64, 8, 3),
+    ('fwd', 128, False, 2048): (128, 128, 8, 3),
+    ('fwd', 128, False, 4096): (128, 128, 8, 3),
+    ('fwd', 128, False, 8192): (128, 128, 8, 3),
+    ('fwd', 128, False, 16384): (128, 128, 8, 3),
+    ('fwd', 128, True, 1024): (128, 128, 8, 3),
+    ('fwd', 128, True, 2048): (64, 64, 4, 3),
+    ('fwd', 128, True, 4096): (128, 64, 8, 3),
+    ('fwd', 128, True, 8192): (128, 64, 8, 4),
+    ('fwd', 128, True, 16384): (128, 64, 8, 3),
+}
+# END tools/tune.py attention
+
+
+@functools.cache
+def _capability(device):
+    return torch.cuda.get_device_capability(device)
+
+
+def tuned_case(q, causal):
+    """(D, causal, N bucket): this case's key in the tables that tools/tune.py measured, or None where
+    they do not apply (no GPU, another GPU architecture, a dtype other than fp16 and bf16)."""
+    if (not ON_GPU or not TUNED_ON or q.dtype not in (torch.float16, torch.bfloat16)
+            or _capability(q.device) != TUNED_ON["capability"]):
+        return None
+    buckets = TUNED_ON["buckets"]
+    return q.shape[3], causal, min(max(triton.next_power_of_2(q.shape[2]), buckets[0]), buckets[-1])
 
 
 # %%
@@ -570,15 +690,13 @@ def attn_bwd_dq_kernel(
 #
 # The launcher and autograd
 # -------------------------
-# On a GPU each kernel is autotuned over the short list below; under the interpreter one
-# configuration runs. ``attention`` checks its inputs, and an autograd function calls the forward
-# and, when PyTorch asks for gradients, the backward. The forward and the backward are also plain
-# functions (``forward``, ``backward_delta``, ``backward``): the two Hopper lessons that follow
-# reuse them.
+# Each kernel runs with the configuration that the table above gives for its case, or, where no
+# measurement applies, the autotuner's pick; under the interpreter, with its one configuration.
+# ``attention`` checks its inputs, and an autograd function calls the forward and, when PyTorch
+# asks for gradients, the backward. The forward and the backward are also plain functions
+# (``forward``, ``backward_delta``, ``backward``): the two Hopper lessons that follow reuse them.
 
 if ON_GPU:
-    FWD_SHAPES = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)]
-    BWD_SHAPES = [(64, 128, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 4), (32, 128, 4, 3)]
     _fwd = triton.autotune(_configs(FWD_SHAPES), key=["D", "CAUSAL", "N_BUCKET"],
                            prune_configs_by={"early_config_prune": _prune_fwd})(attn_fwd_kernel)
     # Timing a configuration runs the kernel, and with ATOMIC_DQ that adds to the dQ buffer:
@@ -587,11 +705,22 @@ if ON_GPU:
                             prune_configs_by={"early_config_prune": _prune_bwd})(attn_bwd_dkdv_kernel)
     _dq = triton.autotune(_configs(BWD_SHAPES), key=["D", "CAUSAL", "N_BUCKET"],
                           prune_configs_by={"early_config_prune": _prune_bwd})(attn_bwd_dq_kernel)
-    _FIXED_FWD = _FIXED_BWD = {}
-else:
-    # One configuration each, obeying the same rules as the pruned autotuning space.
-    _fwd, _dkdv, _dq = attn_fwd_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel
-    _FIXED_FWD, _FIXED_BWD = {"BLOCK_M": 64, "BLOCK_N": 32}, {"BLOCK_M": 32, "BLOCK_N": 64}
+    TUNERS = {"fwd": _fwd, "dkdv": _dkdv, "dkdv-atomic": _dkdv, "dq": _dq}
+
+
+def _launch(kernel, name, case, grid, *args, **meta):
+    """Run kernel with the configuration measured for this case, else (a GPU the table does not cover)
+    let the autotuner pick one; grid(BLOCK_M, BLOCK_N) is the launch grid."""
+    if not ON_GPU:
+        config = INTERPRETER_CONFIGS[name]
+    else:
+        config = TUNED_CONFIGS.get((name, *case)) if case else None
+    if config is None:
+        TUNERS[name][lambda m: grid(m["BLOCK_M"], m["BLOCK_N"])](*args, **meta)
+    else:
+        block_m, block_n, warps, stages = config
+        kernel[grid(block_m, block_n)](*args, **meta, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+                                       num_stages=stages)
 
 
 def keys_contiguous(v, dtype=None):
@@ -606,10 +735,9 @@ def forward(q, k, v, causal, sm_scale):
     lse = torch.empty((B * H, N), dtype=torch.float32, device=q.device)
     if q.dtype == torch.float8_e5m2 and v.stride(2) != 1 and N > 1:
         v = keys_contiguous(v)  # lesson 06, "fp8 on Hopper: the layout of V", says why
-    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), B * H)  # noqa: E731
-    _fwd[grid](q, k, v, o, lse, sm_scale * LOG2E, H, N, triton.next_power_of_2(N), *q.stride(), *k.stride(),
-               *v.stride(), *o.stride(), D=D, CAUSAL=causal, UPCAST_DOT=_upcast(q), NEGATIVE_SCALE=sm_scale < 0,
-               **_FIXED_FWD)
+    _launch(attn_fwd_kernel, "fwd", tuned_case(q, causal), lambda bm, bn: (triton.cdiv(N, bm), B * H),
+            q, k, v, o, lse, sm_scale * LOG2E, H, N, triton.next_power_of_2(N), *q.stride(), *k.stride(), *v.stride(),
+            *o.stride(), D=D, CAUSAL=causal, UPCAST_DOT=_upcast(q), NEGATIVE_SCALE=sm_scale < 0)
     return o, lse
 
 
@@ -636,12 +764,14 @@ def backward(q, k, v, do, lse, delta, causal, sm_scale, atomic_dq):
     dq = torch.zeros((B, H, N, D), dtype=torch.float32, device=q.device) if atomic_dq else torch.empty_like(dk)
     args = (sm_scale, sm_scale * LOG2E, H, N, triton.next_power_of_2(N),
             *q.stride(), *k.stride(), *v.stride(), *do.stride())
-    meta = dict(D=D, CAUSAL=causal, UPCAST_DOT=_upcast(q), **_FIXED_BWD)
-    grid = lambda m: (triton.cdiv(N, m["BLOCK_N"]), B * H)  # noqa: E731
-    _dkdv[grid](q, k, v, do, dq, dk, dv, lse, delta, *args, ATOMIC_DQ=atomic_dq, **meta)
+    meta = dict(D=D, CAUSAL=causal, UPCAST_DOT=_upcast(q))
+    case = tuned_case(q, causal)
+    grid = lambda bm, bn: (triton.cdiv(N, bn), B * H)  # noqa: E731
+    _launch(attn_bwd_dkdv_kernel, "dkdv-atomic" if atomic_dq else "dkdv", case, grid,
+            q, k, v, do, dq, dk, dv, lse, delta, *args, ATOMIC_DQ=atomic_dq, **meta)
     if atomic_dq:
         return dq.to(q.dtype), dk, dv
-    _dq[grid](q, k, v, do, dq, lse, delta, *args, **meta)
+    _launch(attn_bwd_dq_kernel, "dq", case, grid, q, k, v, do, dq, lse, delta, *args, **meta)
     return dq, dk, dv
 
 
@@ -806,38 +936,55 @@ if __name__ == "__main__":
         for mode in ("fwd", "bwd")])
 
 # %%
-# What the autotuner chose
-# ------------------------
-# The tile shapes this build's autotuner picked at :math:`D = 128` (``BLOCK_M x BLOCK_N``; the
-# :math:`dQ` kernel owns ``BLOCK_N`` queries and walks ``BLOCK_M`` keys). A :math:`dK, dV`
-# program with 128 keys keeps two 128 x 128 fp32 accumulators, 128 KiB: spread over 8 warps (256
-# threads) that is 128 of the 255 registers a thread may have, before the tiles in flight. A
-# program with half the keys and one warp group of 4 warps holds the same 128 registers of
-# accumulators per thread, but is small enough that two fit on one SM, where each can run its
-# matrix products while the other waits. Which wins is for the autotuner to measure.
+# Which tiles ran
+# ---------------
+# The tile shapes behind the benchmark at :math:`D = 128` (``BLOCK_M x BLOCK_N``; the :math:`dQ`
+# kernel owns ``BLOCK_N`` queries and walks ``BLOCK_M`` keys): from the table where it covers this
+# GPU, otherwise the autotuner's picks in this run. A :math:`dK, dV` program with 128 keys keeps
+# two 128 x 128 fp32 accumulators, 128 KiB: spread over 8 warps (256 threads) that is 128 of the
+# 255 registers a thread may have, before the tiles in flight. A program with half the keys and
+# one warp group of 4 warps holds the same 128 registers of accumulators per thread, but is small
+# enough that two fit on one SM, where each can run its matrix products while the other waits.
+# Which wins is for the sweep to measure.
+
+KERNEL_NAMES = {"fwd": "forward", "dkdv": "dK, dV", "dkdv-atomic": "dK, dV (atomic dQ)", "dq": "dQ"}
 
 
-def tuned_choices(D):
-    """{kernel and mode: {N bucket: configuration}} that the autotuner picked at head dim D, as text."""
+def tiles_that_ran(D, sizes):
+    """{kernel and masking: {N: configuration}} at head dim D, as text: the table's, or the autotuner's."""
+    def text(block_m, block_n, warps, stages):
+        return f"{block_m}x{block_n}, {warps} warps, {stages} stages"
+
     picks = {}
-    for kernel, tuner in (("forward", _fwd), ("dK, dV", _dkdv), ("dQ", _dq)):
-        for key, config in getattr(tuner, "cache", {}).items():
-            named = dict(zip(tuner.keys, key))
-            if named["D"] != D or "float8" in str(key):
-                continue
-            mode = "causal" if named["CAUSAL"] else "non-causal"
-            label = f"{kernel}{' (atomic dQ)' if named.get('ATOMIC_DQ') else ''}, {mode}"
-            picks.setdefault(label, {})[f"N <= {named['N_BUCKET']}"] = (
-                f"{config.kwargs['BLOCK_M']}x{config.kwargs['BLOCK_N']}, {config.num_warps} warps, "
-                f"{config.num_stages} stages")
+    for name, label in KERNEL_NAMES.items():
+        for causal in (False, True):
+            row = f"{label}, {'causal' if causal else 'non-causal'}"
+            for N in sizes:
+                case = tuned_case(torch.empty(1, 1, N, D, dtype=torch.float16, device=DEVICE), causal)
+                config = TUNED_CONFIGS.get((name, *case)) if case else None
+                if config is None and ON_GPU:  # the autotuner's pick, if this run made one
+                    tuner = TUNERS[name]
+                    key = {"D": D, "CAUSAL": causal, "N_BUCKET": triton.next_power_of_2(N),
+                           "ATOMIC_DQ": name == "dkdv-atomic"}
+                    for cached, choice in tuner.cache.items():
+                        named = dict(zip(tuner.keys, cached))
+                        if all(named[k] == key[k] for k in tuner.keys) and "float8" not in str(cached):
+                            config = (choice.kwargs["BLOCK_M"], choice.kwargs["BLOCK_N"], choice.num_warps,
+                                      choice.num_stages)
+                if config is not None:
+                    picks.setdefault(row, {})[f"N = {N}"] = text(*config)
     return picks
 
 
 if __name__ == "__main__":
-    choices = pd.DataFrame(tuned_choices(128)).T
-    if choices.empty:
-        print("Under the interpreter nothing is tuned: one configuration ran "
-              f"(forward {_FIXED_FWD}, backward {_FIXED_BWD}).")
+    choices = pd.DataFrame(tiles_that_ran(128, sizes)).T
+    if not ON_GPU:
+        print(f"Under the interpreter nothing is tuned: one configuration per kernel ran, {INTERPRETER_CONFIGS}.")
+    elif TUNED_ON and tuned_case(torch.empty(1, 1, 1, 128, dtype=torch.float16, device=DEVICE), False):
+        print(f"From the table, measured on {TUNED_ON['gpu']} with torch {TUNED_ON['torch']} and Triton "
+              f"{TUNED_ON['triton']} on {TUNED_ON['date']}.")
+    else:
+        print("The table does not cover this GPU: the autotuner picked these in this run.")
 
 choices if __name__ == "__main__" and not choices.empty else None
 

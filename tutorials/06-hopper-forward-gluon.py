@@ -373,7 +373,7 @@ def tma_loadable(t):
 
 def warp_specialized_unsupported(q, k, v, sm_scale=1.0):
     """Why the warp-specialized kernels cannot take these inputs here, or None when they can."""
-    if not ON_GPU or torch.cuda.get_device_capability(q.device)[0] != 9:
+    if not ON_GPU or V2._capability(q.device)[0] != 9:
         return "it needs a Hopper GPU (compute capability 9.x)"
     if q.dtype not in V2.V1.SUPPORTED_DTYPES:
         return f"it takes float16 or bfloat16, not {q.dtype}"
@@ -413,11 +413,41 @@ def _ws_forward(q, k, v, o, lse, causal, sm_scale):
 # %%
 # The launcher and autograd
 # -------------------------
-# ``attention`` runs the Gluon forward wherever it can run (``warp_specialized=None``) and the
-# previous lesson's portable forward everywhere else; ``warp_specialized=True`` insists on Gluon,
-# with an error that says why when it cannot run, and ``False`` asks for the portable kernel. Both
-# forwards write the same output and the same :math:`\mathrm{LSE}_2`, so the backward is the
-# previous lesson's two-pass backward either way. (The next lesson replaces it on Hopper.)
+# Neither forward wins everywhere. The Gluon kernel's three TMA descriptors cost host time on every
+# call, and its one tile shape is not the best one at every head dimension and length, where the
+# portable kernel runs the configuration measured for the case. So ``attention`` asks the same sweep
+# that tuned lesson 05's tiles (``python tools/tune.py attention``), which also timed both forwards
+# as a user calls them, host included, and recorded the faster one per case in ``FORWARD_PATHS``.
+# With ``warp_specialized=None`` it runs that one; a case the table does not cover runs Gluon where
+# it can. ``True`` insists on Gluon, with an error that says why when it cannot run, and ``False``
+# asks for the portable kernel. Both forwards write the same output and the same
+# :math:`\mathrm{LSE}_2`, so the backward is the previous lesson's two-pass backward either way. (The
+# next lesson replaces it on Hopper.)
+
+# BEGIN tools/tune.py forward paths: written by the sweep; run it again rather than edit these lines.
+FORWARD_PATHS = {
+    (64, False, 1024): 'portable',
+    (64, False, 2048): 'portable',
+    (64, False, 4096): 'portable',
+    (64, False, 8192): 'gluon',
+    (64, False, 16384): 'gluon',
+    (64, True, 1024): 'portable',
+    (64, True, 2048): 'portable',
+    (64, True, 4096): 'portable',
+    (64, True, 8192): 'gluon',
+    (64, True, 16384): 'gluon',
+    (128, False, 1024): 'portable',
+    (128, False, 2048): 'gluon',
+    (128, False, 4096): 'gluon',
+    (128, False, 8192): 'gluon',
+    (128, False, 16384): 'gluon',
+    (128, True, 1024): 'portable',
+    (128, True, 2048): 'portable',
+    (128, True, 4096): 'gluon',
+    (128, True, 8192): 'gluon',
+    (128, True, 16384): 'gluon',
+}
+# END tools/tune.py forward paths
 
 
 class _AttentionHopperForward(torch.autograd.Function):
@@ -441,8 +471,9 @@ class _AttentionHopperForward(torch.autograd.Function):
         return *V2.backward(q, k, v, do, lse, delta, ctx.causal, ctx.sm_scale, False), None, None, None
 
 
-def use_warp_specialized(q, k, v, warp_specialized, sm_scale):
-    """Whether to run the Gluon kernels: None means wherever they can run; True insists, with a reason."""
+def gluon_allowed(q, k, v, warp_specialized, sm_scale):
+    """Whether the Gluon kernels may run: False when asked not to or when they cannot (a ValueError that
+    says why if warp_specialized=True insists)."""
     if warp_specialized is not None and not isinstance(warp_specialized, bool):
         raise TypeError(f"warp_specialized must be None, True or False, got {warp_specialized!r}")
     if warp_specialized is False:
@@ -453,12 +484,19 @@ def use_warp_specialized(q, k, v, warp_specialized, sm_scale):
     return reason is None
 
 
+def use_warp_specialized(q, k, v, causal, sm_scale, warp_specialized):
+    """Whether to run the Gluon forward: the faster one measured for this case, unless the caller chose."""
+    if not gluon_allowed(q, k, v, warp_specialized, sm_scale):
+        return False
+    return warp_specialized or FORWARD_PATHS.get(V2.tuned_case(q, causal), "gluon") == "gluon"
+
+
 def attention(q, k, v, causal, sm_scale, warp_specialized=None):
-    """softmax(q k^T * sm_scale) v with the warp-specialized forward where it runs (Hopper), the portable one
-    elsewhere, and the portable two-pass backward."""
+    """softmax(q k^T * sm_scale) v with the faster of the warp-specialized forward (Hopper) and the portable
+    one for the case, and the portable two-pass backward. warp_specialized=True or False picks the forward."""
     V2.check_inputs(q, k, v, causal, sm_scale)
     q, k, v = V2.resolved(q, k, v)
-    ws = use_warp_specialized(q, k, v, warp_specialized, sm_scale)
+    ws = use_warp_specialized(q, k, v, causal, sm_scale, warp_specialized)
     return _AttentionHopperForward.apply(q, k, v, causal, float(sm_scale), ws)
 
 
@@ -477,13 +515,15 @@ if __name__ == "__main__":
     print("The Gluon forward runs here." if reason is None else
           f"The Gluon forward did not run on this machine: {reason}. The checks and timings below are of the "
           "portable fallback (lesson 05's kernel).")
+    # At this length the tables pick lesson 05's kernels, which lesson 05 checks: insist on Gluon here.
+    checked = functools.partial(attention, warp_specialized=None if reason else True)
     for D in (64, 128):
         for dtype in (torch.float16, torch.bfloat16):
             for causal in (False, True):
                 N = 1000 if ON_GPU else 65
                 q, k, v = (torch.randn(2, 3, N, D, device=DEVICE, dtype=dtype) for _ in range(3))
                 label = f"06-hopper-forward-gluon, D={D}, {dtype}, causal={causal}"
-                errors = V2.check_against_float64(attention, q, k, v, causal, D ** -0.5, label,
+                errors = V2.check_against_float64(checked, q, k, v, causal, D ** -0.5, label,
                                                   tolerance=1e-2 if dtype == torch.float16 else 3e-2)
                 print(f"{label}, N={N}: " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
 
@@ -536,6 +576,7 @@ if __name__ == "__main__":
 
 WS = "Triton, warp-specialized (Gluon)"
 PORTABLE = "Triton v2 (lesson 05)"
+ATOMIC = V2.ATOMIC  # lesson 05's atomic backward, which lesson 07's table may choose
 
 
 def portable_and_sdpa(causal, D):
@@ -583,6 +624,30 @@ def against_portable(table, peak, portable_name):
     return peers
 
 
+DEFAULT = "Triton, default path"
+
+
+def default_path(results, table, provider_of, peers):
+    """The default path's rows, and a line that reads them: at each case, the measurement of the provider
+    that provider_of(D, causal, N) names, which is what ``attention`` runs there by default."""
+    rows = [dict(row, provider=DEFAULT) for row in results.drop(columns="spread").to_dict("records")
+            if row["provider"] == provider_of(row["D"], row["causal"], row["N"])]
+    chosen = {(row["D"], row["causal"], row["mode"], row["N"]): row["value"] for row in rows}
+    ratio = [value / table.loc[case, peers].max() for case, value in chosen.items()]
+    candidates = [c for c in (WS, PORTABLE, ATOMIC) if c in table]
+    faster = sum(value >= table.loc[case, candidates].max() for case, value in chosen.items())
+    print(f"The default path (the table's choice at each case) ran at {min(ratio):.2f}x to {max(ratio):.2f}x the "
+          f"fastest SDPA backend, at or above it at {sum(r >= 1 for r in ratio)} of {len(ratio)} cases; the table's "
+          f"choice was the fastest of {', '.join(candidates)} in this run at {faster} of {len(chosen)} cases.")
+    return rows
+
+
+def default_forward(D, causal, N):
+    """Which provider of this page ``attention`` runs by default for a (B, H, N, D) fp16 input."""
+    q = torch.empty(1, 1, N, D, dtype=torch.float16, device=DEVICE)
+    return WS if use_warp_specialized(q, q, q, causal, D ** -0.5, None) else PORTABLE
+
+
 FP8 = "Triton v2 fp8"
 
 
@@ -623,25 +688,45 @@ if __name__ == "__main__":
         print(V2.spread_summary(results))
     else:
         print("These are interpreter timings: they measure NumPy on the CPU, not GPU kernels.")
+    defaults = default_path(results, table, default_forward, peers)
     V2.save_results("06-hopper-forward-gluon", [{
         "name": "attention forward, warp-specialized", "unit": "TFLOP/s", "ceiling_name": "fp16 matmul rate",
-        "ceiling": peak, "ours": [c for c in (WS, PORTABLE, FP8) if c in table], "peers": peers,
-        "rows": results.drop(columns="spread").to_dict("records")}])
+        "ceiling": peak, "ours": [DEFAULT] + [c for c in (WS, PORTABLE, FP8) if c in table], "peers": peers,
+        "rows": results.drop(columns="spread").to_dict("records") + defaults}])
 
 # %%
-# Who waits at the smallest sizes: the host
-# -----------------------------------------
-# At :math:`N = 1024` a forward pass is a fraction of a millisecond of GPU work, and launching it
-# is not free: the autograd function, the input checks and Triton's binding of the arguments run in
-# Python on every call, and the Gluon forward also builds three TMA descriptors. When the host
-# needs longer to enqueue a call than the GPU needs to run it, the GPU idles between calls and a
-# benchmark measures the host. The check below times both, for each forward, at the smallest and
-# the largest size of the sweep. (The usual cures are CUDA graphs, which replay a whole sequence of
-# launches at once, or more work per call.)
+# Where the gap at the smallest size comes from
+# ---------------------------------------------
+# At :math:`N = 1024` a forward pass is a few dozen microseconds of GPU work, and launching it is
+# not free: the autograd function, the input checks and Triton's binding of some twenty arguments
+# run in Python on every call, and the Gluon forward also builds three TMA descriptors. When the
+# host needs longer to enqueue a call than the GPU needs to run it, the GPU idles between calls and
+# a benchmark measures the host. So for each case at the smallest size this cell separates the two:
+# the host's time to enqueue one call (without waiting for the GPU), and the GPU's own time per call,
+# the sum of its kernels' durations from the CUDA profiler, for both forwards and for cuDNN. (The
+# usual cures for host time are CUDA graphs, which replay a whole sequence of launches at once, or
+# more work per call.)
 
 
-def host_and_gpu_ms(fn, calls=50):
-    """(host ms to enqueue one call, device ms per call), the first without waiting for the GPU."""
+def kernel_ms(fn, calls=20):
+    """{kernel name: GPU milliseconds per call of fn}, from the CUDA profiler."""
+    import warnings
+
+    fn()
+    torch.cuda.synchronize()
+    # The profiler warns about its own setup, with paths of the machine that runs it: not for the page.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+    return {e.key: e.self_device_time_total / calls / 1e3 for e in profile.key_averages()
+            if e.self_device_time_total > 0}
+
+
+def host_ms(fn, calls=50):
+    """Host milliseconds to enqueue one call of fn, not waiting for the GPU."""
     import time
 
     fn()
@@ -651,20 +736,27 @@ def host_and_gpu_ms(fn, calls=50):
         fn()
     host = (time.perf_counter() - start) / calls * 1e3
     torch.cuda.synchronize()
-    return host, V2.bench_ms(fn)
+    return host
 
 
 if __name__ == "__main__" and ON_GPU:
-    B, H, D = cases[0]
-    for N in (sizes[0], sizes[-1]):
-        q, k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16) for _ in range(3))
-        for name, ws in (("Gluon", True), ("portable", False)):
-            if ws and warp_specialized_unsupported(q, k, v) is not None:
-                continue
-            host, gpu = host_and_gpu_ms(lambda: attention(q, k, v, False, D ** -0.5, warp_specialized=ws))
-            verdict = "the host is the bottleneck" if host > 0.8 * gpu else "the GPU is the bottleneck"
-            print(f"{name} forward, D={D}, N={N}: host {1e3 * host:.0f} us to launch, GPU {1e3 * gpu:.0f} us "
-                  f"per call: {verdict}")
+    N = sizes[0]
+    for B, H, D in cases:
+        for causal in (False, True):
+            q, k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16) for _ in range(3))
+            calls = {"SDPA cuDNN": functools.partial(V2.sdpa_providers(causal, D ** -0.5, ["SDPA cuDNN"])["SDPA cuDNN"],
+                                                     q, k, v),
+                     "portable": functools.partial(attention, q, k, v, causal, D ** -0.5, warp_specialized=False)}
+            if warp_specialized_unsupported(q, k, v) is None:
+                calls["Gluon"] = functools.partial(attention, q, k, v, causal, D ** -0.5, warp_specialized=True)
+            host = {name: host_ms(fn) for name, fn in calls.items()}
+            gpu = {name: sum(kernel_ms(fn).values()) for name, fn in calls.items()}
+            ours = min((name for name in calls if name != "SDPA cuDNN"), key=gpu.get)
+            print(f"D={D:3d} {'causal    ' if causal else 'non-causal'} N={N}: " + ", ".join(
+                f"{name} host {1e3 * host[name]:.0f} us, GPU {1e3 * gpu[name]:.0f} us" for name in calls) +
+                f". The faster kernel ({ours}) takes {gpu[ours] / gpu['SDPA cuDNN']:.2f}x cuDNN's GPU time; its host "
+                f"time is {host[ours] / gpu[ours]:.1f}x its GPU time (cuDNN's: "
+                f"{host['SDPA cuDNN'] / gpu['SDPA cuDNN']:.1f}x).")
 elif __name__ == "__main__":
     print("Launch overhead is a GPU question: under the interpreter every call runs on the host anyway.")
 

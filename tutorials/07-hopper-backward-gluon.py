@@ -389,42 +389,87 @@ def _ws_backward(q, k, v, do, lse, delta, causal, sm_scale):
 # %%
 # The launcher and autograd
 # -------------------------
-# ``attention`` runs lesson 06's forward and, where the Gluon kernels run, this backward. Off
-# Hopper, and with ``atomic_dq=False``, the backward is lesson 05's two-pass one, whose :math:`dQ`
-# has the same bits on every run.
+# Three backwards can follow either forward: this lesson's Gluon kernel, lesson 05's two-pass one
+# and lesson 05's atomic one. Which is fastest depends on the case, so ``attention`` runs the one
+# that the sweep (``python tools/tune.py attention``) measured fastest for it, recorded in
+# ``BACKWARD_PATHS``, and the forward that lesson 06's table names. The arguments can overrule the
+# tables: ``atomic_dq=False`` asks for the two-pass backward, whose :math:`dQ` has the same bits on
+# every run; ``atomic_dq=True`` for an atomic one (the Gluon kernel where it runs, lesson 05's
+# elsewhere); ``warp_specialized=True`` for the Gluon kernels, forward and backward, and ``False``
+# for lesson 05's. A case the tables do not cover runs Gluon where it can, and otherwise the
+# two-pass backward.
+
+# BEGIN tools/tune.py backward paths: written by the sweep; run it again rather than edit these lines.
+BACKWARD_PATHS = {
+    (64, False, 1024): 'two-pass',
+    (64, False, 2048): 'gluon',
+    (64, False, 4096): 'gluon',
+    (64, False, 8192): 'gluon',
+    (64, False, 16384): 'gluon',
+    (64, True, 1024): 'two-pass',
+    (64, True, 2048): 'two-pass',
+    (64, True, 4096): 'gluon',
+    (64, True, 8192): 'gluon',
+    (64, True, 16384): 'gluon',
+    (128, False, 1024): 'two-pass',
+    (128, False, 2048): 'gluon',
+    (128, False, 4096): 'gluon',
+    (128, False, 8192): 'gluon',
+    (128, False, 16384): 'gluon',
+    (128, True, 1024): 'two-pass',
+    (128, True, 2048): 'gluon',
+    (128, True, 4096): 'gluon',
+    (128, True, 8192): 'gluon',
+    (128, True, 16384): 'gluon',
+}
+# END tools/tune.py backward paths
+
+
+def backward_path(q, k, v, causal, sm_scale, atomic_dq, warp_specialized):
+    """"gluon", "two-pass" or "atomic": the backward to run for this case and these arguments."""
+    if atomic_dq is not None and not isinstance(atomic_dq, bool):
+        raise TypeError(f"atomic_dq must be None, True or False, got {atomic_dq!r}")
+    gluon = FWD.gluon_allowed(q, k, v, warp_specialized, sm_scale)
+    if atomic_dq is False:
+        return "two-pass"
+    if warp_specialized or atomic_dq:
+        return "gluon" if gluon else "atomic"
+    measured = BACKWARD_PATHS.get(V2.tuned_case(q, causal))
+    if measured == "gluon" and not gluon:
+        measured = None
+    return measured or ("gluon" if gluon else "two-pass")
 
 
 class _AttentionHopper(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, sm_scale, atomic_dq, warp_specialized):
+    def forward(ctx, q, k, v, causal, sm_scale, warp_specialized, path):
         o = FWD._AttentionHopperForward.forward(ctx, q, k, v, causal, sm_scale, warp_specialized)
-        ctx.gluon_backward = warp_specialized and atomic_dq is not False
+        ctx.path = path
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         delta = V2.backward_delta(o, do)
-        if ctx.gluon_backward:
+        if ctx.path == "gluon":
             grads = _ws_backward(q, k, v, do, lse, delta, ctx.causal, ctx.sm_scale)
         else:
-            grads = V2.backward(q, k, v, do, lse, delta, ctx.causal, ctx.sm_scale, False)
+            grads = V2.backward(q, k, v, do, lse, delta, ctx.causal, ctx.sm_scale, ctx.path == "atomic")
         return *grads, None, None, None, None
 
 
 def attention(q, k, v, causal, sm_scale, atomic_dq=None, warp_specialized=None):
-    """softmax(q k^T * sm_scale) v with the warp-specialized forward and backward where they run (Hopper).
+    """softmax(q k^T * sm_scale) v with the fastest forward and backward measured for the case.
 
-    ``warp_specialized``: None runs the Gluon kernels where they can run, True insists on them, False
-    asks for lesson 05's portable kernels. ``atomic_dq``: None or True sums dQ with TMA reductions in the
-    Gluon backward (its last bits vary from run to run); False uses the two-pass backward, the same bits
-    every run."""
+    ``atomic_dq``: None lets the measurement choose; False runs the two-pass backward (the same bits every
+    run); True an atomic one (Gluon's TMA reductions on Hopper, lesson 05's atomics elsewhere), whose last
+    bits vary from run to run. ``warp_specialized``: None lets the measurement choose; True insists on the
+    Gluon kernels, False asks for lesson 05's."""
     V2.check_inputs(q, k, v, causal, sm_scale)
-    if atomic_dq is not None and not isinstance(atomic_dq, bool):
-        raise TypeError(f"atomic_dq must be None, True or False, got {atomic_dq!r}")
     q, k, v = V2.resolved(q, k, v)
-    ws = FWD.use_warp_specialized(q, k, v, warp_specialized, sm_scale)
-    return _AttentionHopper.apply(q, k, v, causal, float(sm_scale), atomic_dq, ws)
+    path = backward_path(q, k, v, causal, sm_scale, atomic_dq, warp_specialized)
+    ws = FWD.use_warp_specialized(q, k, v, causal, sm_scale, warp_specialized)
+    return _AttentionHopper.apply(q, k, v, causal, float(sm_scale), ws, path)
 
 
 # %%
@@ -440,13 +485,15 @@ if __name__ == "__main__":
     print("The Gluon backward runs here." if reason is None else
           f"The Gluon backward did not run on this machine: {reason}. The checks and timings below are of the "
           "portable fallback (lesson 05's kernels).")
+    # At this length the tables pick lesson 05's kernels, which lesson 05 checks: insist on Gluon here.
+    checked = functools.partial(attention, warp_specialized=None if reason else True)
     for D in (64, 128):
         for dtype in (torch.float16, torch.bfloat16):
             for causal in (False, True):
                 N = 1000 if ON_GPU else 65
                 q, k, v = (torch.randn(2, 3, N, D, device=DEVICE, dtype=dtype) for _ in range(3))
                 label = f"07-hopper-backward-gluon, D={D}, {dtype}, causal={causal}"
-                errors = V2.check_against_float64(attention, q, k, v, causal, D ** -0.5, label,
+                errors = V2.check_against_float64(checked, q, k, v, causal, D ** -0.5, label,
                                                   tolerance=1e-2 if dtype == torch.float16 else 3e-2)
                 print(f"{label}, N={N}: " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
 
@@ -456,18 +503,28 @@ if __name__ == "__main__":
 # The backward pass in TFLOP/s (2.5 times the forward's FLOPs: five products), at lesson 05's
 # sizes, against lesson 05's two-pass backward and SDPA's backends, measured in this run.
 
-WS, PORTABLE = FWD.WS, FWD.PORTABLE
+WS, PORTABLE, ATOMIC = FWD.WS, FWD.PORTABLE, FWD.ATOMIC
 
 
-def gluon_timer(q, k, v, causal, D):
-    if FWD.warp_specialized_unsupported(q, k, v) is not None:
-        return {}
-    fn = functools.partial(attention, causal=causal, sm_scale=D ** -0.5, warp_specialized=True)
-    return {(WS, "bwd"): functools.partial(V2.backward_ms, fn, q, k, v)}
+def backward_timers(q, k, v, causal, D):
+    """The Gluon backward where it runs, and lesson 05's atomic one: the two the table may pick besides the
+    two-pass backward."""
+    timers = V2.atomic_timer(q, k, v, causal, D)
+    if FWD.warp_specialized_unsupported(q, k, v) is None:
+        fn = functools.partial(attention, causal=causal, sm_scale=D ** -0.5, warp_specialized=True)
+        timers[WS, "bwd"] = functools.partial(V2.backward_ms, fn, q, k, v)
+    return timers
+
+
+def default_backward(D, causal, N):
+    """Which provider of this page ``attention`` runs by default for the backward of a (B, H, N, D) fp16 input."""
+    q = torch.empty(1, 1, N, D, dtype=torch.float16, device=DEVICE)
+    path = backward_path(q, q, q, causal, D ** -0.5, None, None)
+    return {"gluon": WS, "two-pass": PORTABLE, "atomic": ATOMIC}[path]
 
 
 if __name__ == "__main__":
-    results, table, peak, cases, sizes = FWD.hopper_benchmark("bwd", gluon_timer, "Backward pass")
+    results, table, peak, cases, sizes = FWD.hopper_benchmark("bwd", backward_timers, "Backward pass")
 
 # %%
 # The table, in TFLOP/s:
@@ -485,10 +542,11 @@ if __name__ == "__main__":
         print(V2.spread_summary(results))
     else:
         print("These are interpreter timings: they measure NumPy on the CPU, not GPU kernels.")
+    defaults = FWD.default_path(results, table, default_backward, peers)
     V2.save_results("07-hopper-backward-gluon", [{
         "name": "attention backward, warp-specialized", "unit": "TFLOP/s", "ceiling_name": "fp16 matmul rate",
-        "ceiling": peak, "ours": [c for c in (WS, PORTABLE) if c in table], "peers": peers,
-        "rows": results.drop(columns="spread").to_dict("records")}])
+        "ceiling": peak, "ours": [FWD.DEFAULT] + [c for c in (WS, PORTABLE, ATOMIC) if c in table], "peers": peers,
+        "rows": results.drop(columns="spread").to_dict("records") + defaults}])
 
 # %%
 # Where the backward's time goes
@@ -503,21 +561,11 @@ BACKWARD_PRODUCTS = {"attn_bwd_preprocess_kernel": 0, "attn_bwd_dkdv_kernel": 4,
 
 
 def backward_kernel_ms(fn, q, k, v, passes=3):
-    """{kernel name: GPU milliseconds per backward pass}, measured with the CUDA profiler."""
-    import warnings
-
+    """{kernel name: GPU milliseconds per backward pass} of the backward's own kernels (lesson 06's profiler)."""
     o = fn(q, k, v)
     do = torch.randn_like(o)
-    o.backward(do, retain_graph=True)  # autotuning happens here, outside the profile
-    torch.cuda.synchronize()
-    # The profiler warns about its own setup, with paths of the machine that runs it: not for the page.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-            for _ in range(passes):
-                o.backward(do, retain_graph=True)
-            torch.cuda.synchronize()
-    return {e.key: e.device_time_total / passes / 1e3 for e in profile.key_averages() if e.key in BACKWARD_PRODUCTS}
+    times = FWD.kernel_ms(lambda: o.backward(do, retain_graph=True), passes)  # its first call tunes, unprofiled
+    return {name: ms for name, ms in times.items() if name in BACKWARD_PRODUCTS}
 
 
 if __name__ == "__main__" and ON_GPU:
@@ -539,7 +587,8 @@ if __name__ == "__main__" and ON_GPU:
         recompute = 2 / 3 * times["attn_bwd_dq_kernel"] / total
         print(f"    recomputing S and dP in the dQ pass takes about {recompute:.0%} of the backward's GPU time")
         if FWD.warp_specialized_unsupported(q, k, v) is None:
-            ws = backward_kernel_ms(lambda q, k, v: attention(q, k, v, causal, D ** -0.5), q, k, v)
+            ws = backward_kernel_ms(lambda q, k, v: attention(q, k, v, causal, D ** -0.5, warp_specialized=True),
+                                    q, k, v)
             rate = 5 * per_product / ws["attn_bwd_ws_kernel"] * 1e-9
             print(f"    the warp-specialized backward: {sum(ws.values()):.2f} ms of GPU time, attn_bwd_ws_kernel "
                   f"{ws['attn_bwd_ws_kernel']:.2f} ms, 5 products at {rate:.0f} TFLOP/s ({rate / peak:.0%})")
