@@ -549,6 +549,41 @@ if __name__ == "__main__":
         "rows": results.drop(columns="spread").to_dict("records") + defaults}])
 
 # %%
+# The host at the smallest size
+# -----------------------------
+# At :math:`N = 1024` the spread of the timings above is widest, and the reason is lesson 06's: a
+# backward call is a few Python launches (the preprocess, then one or two kernels) after PyTorch's
+# autograd engine, and the host's time to enqueue them can exceed the GPU's time to run them. The
+# same split as in lesson 06, for each backward at the smallest size: the host's time per call,
+# and the GPU's, from the profiler (both include autograd adding each gradient into ``.grad``).
+
+if __name__ == "__main__" and ON_GPU:
+    N = sizes[0]
+    for B, H, D in cases:
+        for causal in (False, True):
+            q, k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16, requires_grad=True)
+                       for _ in range(3))
+            scale = D ** -0.5
+            fns = {"SDPA cuDNN": V2.sdpa_providers(causal, scale, ["SDPA cuDNN"])["SDPA cuDNN"],
+                   "two-pass": lambda q, k, v: attention(q, k, v, causal, scale, warp_specialized=False)}
+            if FWD.warp_specialized_unsupported(q, k, v) is None:
+                fns["Gluon"] = lambda q, k, v: attention(q, k, v, causal, scale, warp_specialized=True)
+            host, gpu = {}, {}
+            for name, fn in fns.items():
+                o = fn(q, k, v)
+                do = torch.randn_like(o)
+                call = functools.partial(o.backward, do, retain_graph=True)
+                host[name], gpu[name] = FWD.host_ms(call), sum(FWD.kernel_ms(call).values())
+            ours = min((name for name in fns if name != "SDPA cuDNN"), key=gpu.get)
+            print(f"D={D:3d} {'causal    ' if causal else 'non-causal'} N={N}: " + ", ".join(
+                f"{name} host {1e3 * host[name]:.0f} us, GPU {1e3 * gpu[name]:.0f} us" for name in fns) +
+                f". The faster backward ({ours}) takes {gpu[ours] / gpu['SDPA cuDNN']:.2f}x cuDNN's GPU time and "
+                f"{host[ours] / host['SDPA cuDNN']:.1f}x its host time.")
+            del q, k, v
+elif __name__ == "__main__":
+    print("Launch overhead is a GPU question: under the interpreter every call runs on the host anyway.")
+
+# %%
 # Where the backward's time goes
 # ------------------------------
 # A profile says more than a guess. The CUDA profiler below times each kernel of lesson 05's
