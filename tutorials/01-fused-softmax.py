@@ -280,8 +280,8 @@ def _persistent_grid(args, meta, num_warps, row_tiles):
 
 
 # From this many columns on, a row is work enough for one program, and the loop only costs registers:
-# one program per tile ran faster on an H100 (at 8,192 columns, 99% of a same-size copy against 96%
-# persistent in fp32, and 98% against 94% in bf16).
+# one program per tile ran faster in a sweep on an H100 on 2026-11-22 (at 8,192 columns, 99% of a
+# same-size copy against 96% persistent in fp32, and 98% against 94% in bf16).
 LONG_ROW = 8192
 
 
@@ -656,7 +656,7 @@ if __name__ == "__main__":
 # On a GPU, expect the fused kernels to be a few times faster than the naive version, as the byte
 # count predicts, and to come close to the copy bandwidth once rows are long enough to keep the
 # memory system busy; the lines printed under the table say how close they came in this run, and
-# how much of the gap between the two Triton kernels persistence closed. What is left between a
+# at which sizes persistence helped and at which it did not. What is left between a
 # kernel and the dashed line is the cost of starting and finishing each tile: loads cannot start
 # before the program knows its addresses, and the store of a row waits for its reductions.
 #

@@ -682,7 +682,7 @@ if __name__ == "__main__":
 # %%
 # The results
 # -----------
-# Every provider's speed in GB/s at each row length, in this run (empty where a kernel does not
+# Every provider's speed in GB/s at each row length, in this run (NaN where a kernel does not
 # run: the row-on-chip kernel stops at ``ROW_ON_CHIP_LIMIT``; to 0.1 GB/s on a GPU, three decimals
 # for the interpreter's tiny figures):
 
@@ -694,8 +694,9 @@ table.rename(columns=lambda name: f"{name} [GB/s]").round(1 if ON_GPU else 3) if
 # Computed from the table just above, in this run: for each row length, the fastest of this
 # lesson's kernels, its speed relative to the best of the PyTorch peers, and its share of the copy
 # bandwidth. The byte counts predict at most 1/2 of the copy bandwidth for three passes, 2/3 for
-# two (a pass that re-reads data still in the L2 cache can do a little better), and all of it for
-# the one-pass kernels.
+# two, and all of it for the one-pass kernels. A pass that re-reads a row still in the L2 cache can
+# beat its prediction, and the shorter the row, the more of it stays there: the table shows by how
+# much.
 
 if __name__ == "__main__":
     peers = [c for c in table.columns if c not in OURS]

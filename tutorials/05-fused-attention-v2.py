@@ -681,7 +681,7 @@ def attn_bwd_dq_kernel(
 # %%
 # In the :math:`dQ` kernel the roles of the two block sizes swap: it owns the large block (of
 # queries) and walks the small one (of keys), just as the :math:`dK, dV` kernel owns the large
-# block of keys. One tuned pair of sizes serves both.
+# block of keys. One list of candidate pairs serves both, and each kernel gets its own measured pick.
 #
 # A note on the interpreter: in Triton 3.9 it stores bf16 values as 16-bit integers and
 # multiplies those integers inside ``tl.dot``. The kernels take an ``UPCAST_DOT`` flag that turns
