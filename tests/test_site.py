@@ -218,28 +218,47 @@ def test_performance_page_is_computed_from_this_build(site):
     ceilings = {f"{b['ceiling_name']}: {perf_summary.format_rate(b['ceiling'])} {b['unit']}"
                 for r in results for b in r["benchmarks"]}
     ratio = r"n/a|\d+\.\d\dx .+ \(.*\)"
-    rows = [row for row in table_rows(page_tables(page)[0]) if row]
+    summary = page_tables(page)[0]
+    assert [row for row in table_rows(summary, "th") if row] == [
+        ["tutorial", "benchmark", "kernel", "best vs. peer", "worst vs. peer", "of ceiling", "ceiling"]]
+    rows = [row for row in table_rows(summary) if row]
     assert rows
     for _, _, _, best, worst, fraction, ceiling in rows:
         assert re.fullmatch(ratio, best) and re.fullmatch(ratio, worst), (best, worst)
         assert re.fullmatch(r"best \d+% \(.*\), worst \d+% \(.*\)", fraction), fraction
         assert ceiling in ceilings, (ceiling, ceilings)
+    # Between the summary and the first benchmark's heading: the range of every ceiling measured more than once.
+    between = page.split("</table>", 1)[1].split('<p class="rubric">', 1)[0]
+    # Sphinx sets apostrophes as typographic ones on the page.
+    sentences = [text_of(p).replace("\u2019", "'") for p in re.findall(r"<p>(.*?)</p>", between, re.S)]
+    assert sentences == perf_summary.ceiling_ranges(results)
+    benches = [b for r in results for b in r["benchmarks"]]
+    for name, unit in {(b["ceiling_name"], b["unit"]) for b in benches}:
+        count = sum((b["ceiling_name"], b["unit"]) == (name, unit) for b in benches)
+        said = [s for s in sentences if s.startswith(f"The {name} was measured in {count} benchmarks of this build: ")]
+        assert len(said) == (count > 1), (name, count, sentences)
 
 
 def test_performance_page_shows_every_case(site):
-    """Below the summary, each benchmark's heading names and links its lesson, and its table shows every
-    case as case_table computes it from this build's results."""
+    """Below the summary, each benchmark's heading names and links its lesson, a line under it gives the
+    ceiling of its run, and its table shows every case as case_table computes it from this build's
+    results, under headers that name the kernel but not the ceiling."""
     results = perf_summary.load_results(RESULTS)
     page = (site / "performance.html").read_text()
-    sections = re.findall(r'<p class="rubric">(.*?)</p>\s*(?:<div[^>]*>\s*)?(<table.*?</table>)', page, re.S)
+    sections = re.findall(r'<p class="rubric">(.*?)</p>\s*<p>(.*?)</p>\s*(?:<div[^>]*>\s*)?(<table.*?</table>)',
+                          page, re.S)
     benches = [(r["tutorial"], b) for r in results for b in r["benchmarks"]]
     assert len(sections) == len(benches) == len(page_tables(page)) - 1
-    for (heading, table), (tutorial, bench) in zip(sections, benches):
+    for (heading, ceiling, table), (tutorial, bench) in zip(sections, benches):
         assert f'href="tutorials/{tutorial}.html"' in heading, heading
         assert text_of(heading) == f"{tutorial}: {bench['name']}"
+        assert text_of(ceiling) == (f"Ceiling: {bench['ceiling_name']}, {perf_summary.format_rate(bench['ceiling'])} "
+                                    f"{bench['unit']}, measured in the same run.")
         assert 'class="perf-summary' in table, "the case tables share the summary's look on a phone"
         header, rows = perf_summary.case_table(bench)
         assert [row for row in table_rows(table, "th") if row] == [header]
+        assert header[len(perf_summary.case_columns(bench)):] == [
+            f"{ours}: {quantity}" for ours in bench["ours"] for quantity in ("vs. peer", "of ceiling")]
         assert [row for row in table_rows(table) if row] == rows
         for row in rows:
             kernels = row[len(perf_summary.case_columns(bench)):]
@@ -303,13 +322,58 @@ def test_perf_per_case_ratios_and_fractions():
 
 def test_perf_case_table_text():
     header, rows = perf_summary.case_table(PER_CASE_BENCH)
-    assert header == ["dtype", "N",
-                      "mine vs. strongest peer", "mine, fraction of copy bandwidth (200 GB/s)",
-                      "other vs. strongest peer", "other, fraction of copy bandwidth (200 GB/s)"]
+    assert header == ["dtype", "N", "mine: vs. peer", "mine: of ceiling", "other: vs. peer", "other: of ceiling"]
     assert rows == [["fp16", "1", "0.90x a", "45%", "1.20x a", "60%"],
                     ["fp16", "2", "n/a", "n/a", "0.50x b", "15%"],
                     ["fp32", "1", "n/a", "10%", "n/a", "5%"],
                     ["fp32", "2", "1.25x b", "20%", "n/a", "n/a"]]
+
+
+def test_perf_ceiling_text():
+    assert perf_summary.ceiling_text(PER_CASE_BENCH) == "Ceiling: copy bandwidth, 200 GB/s, measured in the same run."
+    bench = dict(PER_CASE_BENCH, ceiling_name="fp16 matmul rate", ceiling=670.6, unit="TFLOP/s")
+    assert perf_summary.ceiling_text(bench) == "Ceiling: fp16 matmul rate, 671 TFLOP/s, measured in the same run."
+
+
+def ceiling_record(tutorial, *ceilings):
+    """A valid record with one benchmark per (ceiling_name, ceiling, unit)."""
+    record = {"tutorial": tutorial, "platform": "GPU: test", "on_gpu": True, "date": "2026-11-22", "benchmarks": [
+        {"name": f"b{i}", "unit": unit, "ceiling_name": name, "ceiling": ceiling, "ours": ["mine"], "peers": [],
+         "rows": [{"N": 1, "provider": "mine", "value": 1.0}]} for i, (name, ceiling, unit) in enumerate(ceilings)]}
+    perf_summary.validate_record(record)
+    return record
+
+
+MATMUL = "fp16 matmul rate"
+
+
+def test_perf_ceiling_ranges():
+    """One sentence per ceiling measured in several benchmarks, over records and over the benchmarks of
+    one record; none for a ceiling measured once."""
+    results = [ceiling_record("04-a", (MATMUL, 653.2, "TFLOP/s"), ("copy bandwidth", 3352.1, "GB/s")),
+               ceiling_record("05-b", (MATMUL, 742.4, "TFLOP/s")),
+               ceiling_record("06-c", (MATMUL, 716.0, "TFLOP/s"), (MATMUL, 670.6, "TFLOP/s"))]
+    assert perf_summary.ceiling_ranges(results) == [
+        "The fp16 matmul rate was measured in 4 benchmarks of this build: from 653 to 742 TFLOP/s "
+        "(each benchmark's fractions use its own run's figure)."]
+    results.append(ceiling_record("07-d", ("copy bandwidth", 2.0922, "GB/s")))
+    assert perf_summary.ceiling_ranges(results)[1] == (
+        "The copy bandwidth was measured in 2 benchmarks of this build: from 2.09 to 3352 GB/s "
+        "(each benchmark's fractions use its own run's figure).")
+
+
+def test_perf_ceiling_ranges_need_two_measurements_of_one_quantity():
+    once = [ceiling_record("04-a", (MATMUL, 653.2, "TFLOP/s"), ("copy bandwidth", 3352.1, "GB/s")),
+            ceiling_record("05-b", ("torch.matmul", 0.19, "TFLOP/s"))]
+    assert perf_summary.ceiling_ranges(once) == []
+    assert perf_summary.ceiling_ranges([ceiling_record("04-a", (MATMUL, 653.2, "TFLOP/s"))]) == []
+    # The same name in another unit is another quantity: no range across units.
+    assert perf_summary.ceiling_ranges(once + [ceiling_record("06-c", (MATMUL, 90.0, "GB/s"))]) == []
+    # One run's figure shared by two benchmarks: one value, not a range from it to itself.
+    shared = [ceiling_record("05-b", (MATMUL, 0.19636, "TFLOP/s"), (MATMUL, 0.19636, "TFLOP/s"))]
+    assert perf_summary.ceiling_ranges(shared) == [
+        "The fp16 matmul rate was measured in 2 benchmarks of this build: 0.196 TFLOP/s in each "
+        "(each benchmark's fractions use its own run's figure)."]
 
 
 @pytest.mark.parametrize("lesson", LESSONS)

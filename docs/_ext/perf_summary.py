@@ -24,8 +24,9 @@ and ``validate_record`` checks it on every load::
             ...]}]}
 
 For every kernel of ours, the page gives its best and worst ratio to the strongest peer measured at
-the same case, and its best and worst fraction of the device ceiling measured in the same run; then,
-for every benchmark, a table with the same two quantities at each case.
+the same case, and its best and worst fraction of the device ceiling measured in the same run, with
+the range of each ceiling that several benchmarks measured; then, for every benchmark, its ceiling
+and a table with the same two quantities at each case.
 Each quantity has one format wherever the page shows it: ``format_ratio``, ``format_fraction`` and
 ``format_rate`` (the ceiling).
 """
@@ -199,13 +200,43 @@ def summarize(bench):
     return out
 
 
+SUMMARY_HEADER = ["tutorial", "benchmark", "kernel", "best vs. peer", "worst vs. peer", "of ceiling", "ceiling"]
+
+
+def ceiling_text(bench):
+    """The line under a benchmark's heading that gives the ceiling its "of ceiling" columns divide by."""
+    rate = f"{format_rate(bench['ceiling'])} {bench['unit']}"
+    return f"Ceiling: {bench['ceiling_name']}, {rate}, measured in the same run."
+
+
+def ceiling_ranges(results):
+    """One sentence per ceiling that more than one benchmark measured, with the lowest and highest value.
+
+    Each lesson measures its ceiling in its own run, and the runs differ; the sentence shows by how much,
+    so that fractions from different lessons are not read as if they shared one denominator."""
+    measured = {}
+    for result in results:
+        for bench in result["benchmarks"]:
+            measured.setdefault((bench["ceiling_name"], bench["unit"]), []).append(bench["ceiling"])
+    sentences = []
+    for (name, unit), values in measured.items():
+        if len(values) < 2:
+            continue
+        low, high = format_rate(min(values)), format_rate(max(values))
+        spread = f"{low} {unit} in each" if low == high else f"from {low} to {high} {unit}"
+        sentences.append(f"The {name} was measured in {len(values)} benchmarks of this build: {spread} "
+                         "(each benchmark's fractions use its own run's figure).")
+    return sentences
+
+
 def case_table(bench):
     """The header and text rows of a benchmark's table of cases: the case columns, then for each kernel
-    of ours its ratio to the strongest peer there (naming that peer) and its fraction of the ceiling."""
-    ceiling = f"{bench['ceiling_name']} ({format_rate(bench['ceiling'])} {bench['unit']})"
+    of ours its ratio to the strongest peer there (naming that peer) and its fraction of the ceiling.
+    The headers stay short, as a benchmark can set four kernels side by side: the ceiling goes in
+    ceiling_text, once."""
     header = case_columns(bench)
     for ours in bench["ours"]:
-        header += [f"{ours} vs. strongest peer", f"{ours}, fraction of {ceiling}"]
+        header += [f"{ours}: vs. peer", f"{ours}: of ceiling"]
     rows = []
     for case in per_case(bench):
         cells = [str(value) for value in case["case"].values()]
@@ -302,8 +333,6 @@ class PerfSummary(Directive):
             out.append(nodes.paragraph(text="NVIDIA driver: " + gpu_driver()))
         dates = sorted({r["date"] for r in results})
         out.append(nodes.paragraph(text="Date of the measurements: " + ", ".join(dates)))
-        header = ["tutorial", "benchmark", "kernel", "best vs. strongest peer",
-                  "worst vs. strongest peer", "fraction of the ceiling", "ceiling"]
         rows = []
         for result in results:
             for bench in result["benchmarks"]:
@@ -316,13 +345,15 @@ class PerfSummary(Directive):
                         f"worst {format_fraction(worst[0])} ({_case_text(worst[1])})",
                         f"{bench['ceiling_name']}: {format_rate(bench['ceiling'])} {bench['unit']}",
                     ])
-        out.append(_table(header, rows))
+        out.append(_table(SUMMARY_HEADER, rows))
+        out.extend(nodes.paragraph(text=sentence) for sentence in ceiling_ranges(results))
         for result in results:
             for bench in result["benchmarks"]:
                 # A rubric, not a section: a directive's output sits inside the page's own section. One
                 # inline holds the heading, as the theme stacks a rubric's children one below another.
                 out.append(nodes.rubric("", "", nodes.inline("", "", self._lesson_link(result["tutorial"]),
                                                              nodes.Text(f": {bench['name']}"))))
+                out.append(nodes.paragraph(text=ceiling_text(bench)))
                 out.append(_table(*case_table(bench)))
         return out
 
