@@ -484,11 +484,15 @@ def gluon_allowed(q, k, v, warp_specialized, sm_scale):
     return reason is None
 
 
+def forward_choice(q, causal, warp_specialized, gluon):
+    """Whether to run the Gluon forward, given gluon_allowed's answer: the faster one measured for this
+    case, unless the caller chose."""
+    return gluon and (warp_specialized or FORWARD_PATHS.get(V2.tuned_case(q, causal), "gluon") == "gluon")
+
+
 def use_warp_specialized(q, k, v, causal, sm_scale, warp_specialized):
     """Whether to run the Gluon forward: the faster one measured for this case, unless the caller chose."""
-    if not gluon_allowed(q, k, v, warp_specialized, sm_scale):
-        return False
-    return warp_specialized or FORWARD_PATHS.get(V2.tuned_case(q, causal), "gluon") == "gluon"
+    return forward_choice(q, causal, warp_specialized, gluon_allowed(q, k, v, warp_specialized, sm_scale))
 
 
 def attention(q, k, v, causal, sm_scale, warp_specialized=None):

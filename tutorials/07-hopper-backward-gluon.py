@@ -425,11 +425,18 @@ BACKWARD_PATHS = {
 # END tools/tune.py backward paths
 
 
-def backward_path(q, k, v, causal, sm_scale, atomic_dq, warp_specialized):
-    """"gluon", "two-pass" or "atomic": the backward to run for this case and these arguments."""
+def choose_paths(q, k, v, causal, sm_scale, atomic_dq, warp_specialized):
+    """(whether to run the Gluon forward, the backward to run) for this case and these arguments. Whether
+    the Gluon kernels can take the inputs costs host time to find out, so it is asked once, for both."""
     if atomic_dq is not None and not isinstance(atomic_dq, bool):
         raise TypeError(f"atomic_dq must be None, True or False, got {atomic_dq!r}")
     gluon = FWD.gluon_allowed(q, k, v, warp_specialized, sm_scale)
+    return (FWD.forward_choice(q, causal, warp_specialized, gluon),
+            backward_path(q, causal, atomic_dq, warp_specialized, gluon))
+
+
+def backward_path(q, causal, atomic_dq, warp_specialized, gluon):
+    """"gluon", "two-pass" or "atomic": the backward to run, given gluon_allowed's answer."""
     if atomic_dq is False:
         return "two-pass"
     if warp_specialized or atomic_dq:
@@ -467,8 +474,7 @@ def attention(q, k, v, causal, sm_scale, atomic_dq=None, warp_specialized=None):
     Gluon kernels, False asks for lesson 05's."""
     V2.check_inputs(q, k, v, causal, sm_scale)
     q, k, v = V2.resolved(q, k, v)
-    path = backward_path(q, k, v, causal, sm_scale, atomic_dq, warp_specialized)
-    ws = FWD.use_warp_specialized(q, k, v, causal, sm_scale, warp_specialized)
+    ws, path = choose_paths(q, k, v, causal, sm_scale, atomic_dq, warp_specialized)
     return _AttentionHopper.apply(q, k, v, causal, float(sm_scale), ws, path)
 
 
@@ -519,7 +525,7 @@ def backward_timers(q, k, v, causal, D):
 def default_backward(D, causal, N):
     """Which provider of this page ``attention`` runs by default for the backward of a (B, H, N, D) fp16 input."""
     q = torch.empty(1, 1, N, D, dtype=torch.float16, device=DEVICE)
-    path = backward_path(q, q, q, causal, D ** -0.5, None, None)
+    path = choose_paths(q, q, q, causal, D ** -0.5, None, None)[1]
     return {"gluon": WS, "two-pass": PORTABLE, "atomic": ATOMIC}[path]
 
 
