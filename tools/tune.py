@@ -110,7 +110,6 @@ def tune_attention():
                        buckets=sizes)
     V2.TUNED_CONFIGS.clear()
     forward_paths, backward_paths = {}, {}
-    cudnn = V1.sdpa_providers
     for D, H in ((64, 32), (128, 16)):
         fwd_shapes = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
                       for c in V2._prune_fwd(V2._configs(V2.FWD_SHAPES), {}, D=D)]
@@ -121,6 +120,7 @@ def tune_attention():
             for N in sizes:
                 q, k, v = (torch.randn(4, H, N, D, device="cuda", dtype=torch.float16, requires_grad=True)
                            for _ in range(3))
+                gluon_runs = FWD.warp_specialized_unsupported(q, k, v) is None
                 case = (D, causal, N)
                 tflops = lambda ms, work=4 * 4 * H * N * N * D * (0.5 if causal else 1.0): work / ms * 1e-9  # noqa: E731
 
@@ -134,7 +134,7 @@ def tune_attention():
 
                 portable = best("fwd", fwd_shapes, lambda: V1.bench_ms(lambda: V2.attention(q, k, v, causal, scale)))
                 forward = {"portable": portable}
-                if FWD.warp_specialized_unsupported(q, k, v) is None:
+                if gluon_runs:
                     forward["gluon"] = V1.bench_ms(lambda: FWD.attention(q, k, v, causal, scale, warp_specialized=True))
                 forward_paths[case] = min(forward, key=forward.get)
 
@@ -145,11 +145,11 @@ def tune_attention():
                 best("dkdv", bwd_shapes, lambda: backward(False))
                 backward_times = {"two-pass": best("dq", bwd_shapes, lambda: backward(False)),
                                   "atomic": best("dkdv-atomic", bwd_shapes, lambda: backward(True))}
-                if FWD.warp_specialized_unsupported(q, k, v) is None:
+                if gluon_runs:
                     backward_times["gluon"] = V1.backward_ms(
                         lambda q, k, v: HOPPER.attention(q, k, v, causal, scale, warp_specialized=True), q, k, v)
                 backward_paths[case] = min(backward_times, key=backward_times.get)
-                sdpa = cudnn(causal, scale, ["SDPA cuDNN"])["SDPA cuDNN"]
+                sdpa = V1.sdpa_providers(causal, scale, ["SDPA cuDNN"])["SDPA cuDNN"]
                 peer_fwd, peer_bwd = V1.bench_ms(lambda: sdpa(q, k, v)), V1.backward_ms(sdpa, q, k, v)
                 print(f"D={D} causal={causal!s:5} N={N:5d} fwd " +
                       " ".join(f"{p} {tflops(ms):.0f}" for p, ms in forward.items()) +
