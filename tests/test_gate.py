@@ -13,11 +13,10 @@ def test_a_planted_nan_fails_the_build_by_lesson_and_tensor(site, tmp_path):
     shutil.copytree(TUTORIALS, tmp_path / "tutorials")
     lesson = tmp_path / "tutorials" / "05-fused-attention-v2.py"
     source = lesson.read_text()
-    two_pass_end = '    _launch(attn_bwd_dq_kernel, "dq", case, grid, q, k, v, do, dq, lse, delta, *args, **meta)\n' \
-                   "    return dq, dk, dv\n"
-    assert two_pass_end in source, "the planted NaN needs a new place: the two-pass backward changed"
-    planted = "    dq.view(-1)[dq.numel() // 2] = float('nan')  # planted\n    return dq, dk, dv\n"
-    lesson.write_text(source.replace(two_pass_end, two_pass_end.replace("    return dq, dk, dv\n", planted)))
+    backward_end = "    return (dq.to(q.dtype) if atomic_dq else dq), dk, dv\n"
+    assert source.count(backward_end) == 1, "the planted NaN needs a new place: the portable backward changed"
+    planted = "    dq.view(-1)[dq.numel() // 2] = float('nan')  # planted\n"
+    lesson.write_text(source.replace(backward_end, planted + backward_end))
     result = sphinx(tmp_path, tmp_path / "build")
     output = result.stdout + result.stderr
     assert result.returncode != 0, "a NaN in dq did not fail the build"

@@ -13,8 +13,8 @@ You will learn:
 * what FlashAttention-2 changes from v1, and why each change pays;
 * how to split causal attention into blocks that need no mask and blocks that do, drawn as a grid;
 * the backward pass derived from the forward, including why :math:`\\Delta = \\mathrm{rowsum}(dO \\circ O)`;
-* how the backward splits into a preprocess, a :math:`dK, dV` pass and a :math:`dQ` pass, and what
-  FlashAttention-2's atomic additions to :math:`dQ` save and cost instead;
+* how the backward splits into a :math:`dQ` pass and a :math:`dK, dV` pass, why the :math:`dQ` pass
+  runs first, and what FlashAttention-2's atomic additions to :math:`dQ` save and cost instead;
 * how to autotune a kernel without making every build slow;
 * the mistakes that learners' versions of this kernel make, and the tests that catch each one.
 
@@ -101,8 +101,8 @@ results_table, spread_summary, ROUNDS = V1.results_table, V1.spread_summary, V1.
 #   the awkward one: every key block contributes to every query row's :math:`dQ`. The
 #   FlashAttention-2 paper has the key-block programs *add* their contributions into an fp32
 #   :math:`dQ` with atomic instructions. This lesson builds that, and also the alternative that
-#   Triton's own tutorial uses: a second pass with one program per query block, which owns its
-#   rows of :math:`dQ` outright. Which is faster is measured below.
+#   Triton's own tutorial uses: a pass of its own with one program per query block, which owns
+#   its rows of :math:`dQ` outright. Which is faster is measured below.
 # * **Causal work split by the diagonal.** For a query block, key blocks entirely below the
 #   diagonal are fully visible and need no mask; only the blocks that the diagonal crosses are
 #   masked. Blocks above it are skipped altogether: causal attention does half the work. The grid
@@ -450,8 +450,9 @@ def tuned_case(q, causal):
 #      \Delta_i = \sum_j P_{ij} \sum_d dO_{id} V_{jd} = \sum_d dO_{id} \sum_j P_{ij} V_{jd}
 #               = \sum_d dO_{id}\, O_{id},
 #
-#   a dot product of two rows that are already in memory. A small *preprocess* kernel computes it
-#   once per row, before the main passes.
+#   a dot product of two rows that are already in memory. Triton's tutorial computes it in a
+#   small *preprocess* kernel before the main passes. Here it costs no kernel of its own (see
+#   "Who owns what").
 # * :math:`S = \mathrm{scale}\cdot QK^T` gives :math:`dQ = \mathrm{scale}\cdot dS\,K` and
 #   :math:`dK = \mathrm{scale}\cdot dS^T Q`.
 #
@@ -475,10 +476,18 @@ def tuned_case(q, causal):
 #   :math:`BHND` elements, and a :math:`dQ` whose last bits depend on the order in which programs
 #   happened to add, so two runs can differ slightly. ``sem="relaxed"`` tells Triton that the
 #   additions need no ordering with other memory operations, only atomicity.
-# * **In a second pass** (the default): a :math:`dQ` program owns a block of queries and walks the
-#   key blocks it sees. It must recompute :math:`S` and :math:`dP`, two matrix products that the
-#   :math:`dK, dV` pass already did: seven products instead of five, 40% more tensor-core work,
+# * **In a pass of its own** (the default): a :math:`dQ` program owns a block of queries and walks
+#   the key blocks it sees. It must recompute :math:`S` and :math:`dP`, two matrix products that
+#   the :math:`dK, dV` pass also does: seven products instead of five, 40% more tensor-core work,
 #   but no atomics, nothing extra in memory, and the same bits on every run.
+#
+# Both passes need :math:`\Delta`, and the :math:`dQ` pass decides where it comes from. A
+# :math:`dQ` program holds its rows of :math:`dO` anyway; it loads the same rows of :math:`O`,
+# computes their :math:`\Delta`, uses it, and stores it. So this pass runs *first*, and the
+# :math:`dK, dV` pass, which walks every query block and needs every row's :math:`\Delta`, reads
+# what it stored. The preprocess kernel is gone: one launch fewer per backward, which at short
+# sequences is host time saved (lesson 07 measures the host's share). The atomic backward has no
+# :math:`dQ` pass to fold it into, so it keeps the preprocess.
 #
 # In both, masking is needed only on the diagonal and on ragged edges: a query row past :math:`N`
 # is loaded as zeros, so its :math:`dO` and :math:`\Delta` are zero and it contributes nothing; a
@@ -523,8 +532,8 @@ if __name__ == "__main__":
     draw_backward_passes()
 
 # %%
-# The kernels, in the order they run: the preprocess that computes :math:`\Delta`, the
-# :math:`dK, dV` pass, and the :math:`dQ` pass.
+# The kernels: the preprocess that computes :math:`\Delta` for the atomic backward, the
+# :math:`dK, dV` pass, and the :math:`dQ` pass, which the two-pass backward runs first.
 
 
 @triton.jit
@@ -567,7 +576,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, sqn, sdn, LSE_bh, DE
         dk = tl.dot(dst, q, dk)
         if ATOMIC_DQ:
             # This key block's share of dQ for these query rows, added to an fp32 buffer that every
-            # key block of the head adds to as well: the fifth matrix product, no second pass.
+            # key block of the head adds to as well: the fifth matrix product, no dQ pass.
             dq = tl.dot(tl.trans(dst), k) * sm_scale
             if MASKED:
                 tl.atomic_add(dq_ptrs + rows[:, None] * D, dq, mask=rows[:, None] < N, sem="relaxed")
@@ -641,8 +650,8 @@ def _bwd_dq_inner(dq, q, do, lse, delta, kt_ptrs, vt_ptrs, skn, svn, rows, lo, h
 
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, DQ, LSE, DELTA, sm_scale, qk_scale, H, N, N_BUCKET,
-    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdn, sdd,
+    Q, K, V, O, DO, DQ, LSE, DELTA, sm_scale, qk_scale, H, N, N_BUCKET,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod, sdb, sdh, sdn, sdd,
     D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -655,10 +664,13 @@ def attn_bwd_dq_kernel(
     row_ok = rows < N
     q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqn + d[None, :] * sqd, mask=row_ok[:, None], other=0.0)
     do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdn + d[None, :] * sdd, mask=row_ok[:, None], other=0.0)
+    o = tl.load(O + b * sob + h * soh + rows[:, None] * son + d[None, :] * sod, mask=row_ok[:, None], other=0.0)
+    # These rows' Delta, for this pass and, stored, for the dK, dV pass that runs next.
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + bh * N + rows, delta, mask=row_ok)
     if UPCAST_DOT:
         q, do = q.to(tl.float32), do.to(tl.float32)
     lse = tl.load(LSE + bh * N + rows, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + bh * N + rows, mask=row_ok, other=0.0)
     kt_ptrs = K + b * skb + h * skh + d[:, None] * skd
     vt_ptrs = V + b * svb + h * svh + d[:, None] * svd
     dq = tl.zeros([BLOCK_N, D], tl.float32)
@@ -695,6 +707,7 @@ def attn_bwd_dq_kernel(
 # ``attention`` checks its inputs, and an autograd function calls the forward and, when PyTorch
 # asks for gradients, the backward. The forward and the backward are also plain functions
 # (``forward``, ``backward_delta``, ``backward``): the two Hopper lessons that follow reuse them.
+# ``backward_delta`` is the preprocess, for the backwards that need :math:`\Delta` before they start.
 
 if ON_GPU:
     _fwd = triton.autotune(_configs(FWD_SHAPES), key=["D", "CAUSAL", "N_BUCKET"],
@@ -747,7 +760,8 @@ def _upcast(q):
 
 
 def backward_delta(o, do):
-    """Delta = rowsum(dO * O) in fp32, shape (B * H, N): the preprocess kernel."""
+    """Delta = rowsum(dO * O) in fp32, shape (B * H, N): the preprocess kernel, for the atomic backward
+    and lesson 07's."""
     B, H, N, D = o.shape
     delta = torch.empty((B * H, N), dtype=torch.float32, device=o.device)
     attn_bwd_preprocess_kernel[(triton.cdiv(N, 64), B * H)](o, do, delta, H, N, *o.stride(), *do.stride(),
@@ -755,24 +769,28 @@ def backward_delta(o, do):
     return delta
 
 
-def backward(q, k, v, do, lse, delta, causal, sm_scale, atomic_dq):
-    """dQ, dK, dV from the portable kernels: the two-pass backward, or the atomic one with atomic_dq."""
+def backward(q, k, v, o, do, lse, causal, sm_scale, atomic_dq):
+    """dQ, dK, dV from the portable kernels: the two-pass backward (the dQ pass, which also computes Delta,
+    then the dK, dV pass), or with atomic_dq the preprocess and one dK, dV pass that adds into dQ."""
     B, H, N, D = q.shape
     dk = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
-    # With atomics, dQ is summed in fp32 (adding fp16 partial sums would lose bits at every add).
-    dq = torch.zeros((B, H, N, D), dtype=torch.float32, device=q.device) if atomic_dq else torch.empty_like(dk)
-    args = (sm_scale, sm_scale * LOG2E, H, N, triton.next_power_of_2(N),
-            *q.stride(), *k.stride(), *v.stride(), *do.stride())
+    scales = (sm_scale, sm_scale * LOG2E, H, N, triton.next_power_of_2(N))
     meta = dict(D=D, CAUSAL=causal, UPCAST_DOT=_upcast(q))
     case = tuned_case(q, causal)
     grid = lambda bm, bn: (triton.cdiv(N, bn), B * H)  # noqa: E731
-    _launch(attn_bwd_dkdv_kernel, "dkdv-atomic" if atomic_dq else "dkdv", case, grid,
-            q, k, v, do, dq, dk, dv, lse, delta, *args, ATOMIC_DQ=atomic_dq, **meta)
     if atomic_dq:
-        return dq.to(q.dtype), dk, dv
-    _launch(attn_bwd_dq_kernel, "dq", case, grid, q, k, v, do, dq, lse, delta, *args, **meta)
-    return dq, dk, dv
+        # dQ is summed in fp32: adding fp16 partial sums would lose bits at every add.
+        dq = torch.zeros((B, H, N, D), dtype=torch.float32, device=q.device)
+        delta = backward_delta(o, do)
+    else:
+        dq = torch.empty_like(dk)
+        delta = torch.empty((B * H, N), dtype=torch.float32, device=q.device)
+        _launch(attn_bwd_dq_kernel, "dq", case, grid, q, k, v, o, do, dq, lse, delta, *scales, *q.stride(),
+                *k.stride(), *v.stride(), *o.stride(), *do.stride(), **meta)
+    _launch(attn_bwd_dkdv_kernel, "dkdv-atomic" if atomic_dq else "dkdv", case, grid, q, k, v, do, dq, dk, dv, lse,
+            delta, *scales, *q.stride(), *k.stride(), *v.stride(), *do.stride(), ATOMIC_DQ=atomic_dq, **meta)
+    return (dq.to(q.dtype) if atomic_dq else dq), dk, dv
 
 
 class _AttentionV2(torch.autograd.Function):
@@ -786,14 +804,13 @@ class _AttentionV2(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        delta = backward_delta(o, do)
-        return *backward(q, k, v, do, lse, delta, ctx.causal, ctx.sm_scale, ctx.atomic_dq), None, None, None
+        return *backward(q, k, v, o, do, lse, ctx.causal, ctx.sm_scale, ctx.atomic_dq), None, None, None
 
 
 def attention(q, k, v, causal, sm_scale, atomic_dq=False):
     """FlashAttention-2: softmax(q k^T * sm_scale) v over (batch, heads, sequence, head_dim) tensors.
 
-    ``atomic_dq`` picks how the backward sums dQ. False: in a second pass, the same bits every run.
+    ``atomic_dq`` picks how the backward sums dQ. False: in a pass of its own, the same bits every run.
     True: inside the dK, dV pass, with FlashAttention-2's atomic additions: fewer matrix products,
     but dQ's rounding varies from run to run.
     """

@@ -467,8 +467,7 @@ class _AttentionHopperForward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        delta = V2.backward_delta(o, do)
-        return *V2.backward(q, k, v, do, lse, delta, ctx.causal, ctx.sm_scale, False), None, None, None
+        return *V2.backward(q, k, v, o, do, lse, ctx.causal, ctx.sm_scale, False), None, None, None
 
 
 def gluon_allowed(q, k, v, warp_specialized, sm_scale):

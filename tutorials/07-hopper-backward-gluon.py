@@ -457,11 +457,10 @@ class _AttentionHopper(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        delta = V2.backward_delta(o, do)
         if ctx.path == "gluon":
-            grads = _ws_backward(q, k, v, do, lse, delta, ctx.causal, ctx.sm_scale)
+            grads = _ws_backward(q, k, v, do, lse, V2.backward_delta(o, do), ctx.causal, ctx.sm_scale)
         else:
-            grads = V2.backward(q, k, v, do, lse, delta, ctx.causal, ctx.sm_scale, ctx.path == "atomic")
+            grads = V2.backward(q, k, v, o, do, lse, ctx.causal, ctx.sm_scale, ctx.path == "atomic")
         return *grads, None, None, None, None
 
 
@@ -558,10 +557,11 @@ if __name__ == "__main__":
 # The host at the smallest size
 # -----------------------------
 # At :math:`N = 1024` the median spread of the timings above is widest, and the reason is lesson 06's: a
-# backward call is a few Python launches (the preprocess, then one or two kernels) after PyTorch's
-# autograd engine, and the host's time to enqueue them can exceed the GPU's time to run them. The
-# same split as in lesson 06, for each backward at the smallest size: the host's time per call,
-# and the GPU's, from the profiler (both include autograd adding each gradient into ``.grad``).
+# backward call is a few Python launches (two kernels for the two-pass backward; the preprocess and
+# one kernel for the atomic and Gluon ones) after PyTorch's autograd engine, and the host's time to
+# enqueue them can exceed the GPU's time to run them. The same split as in lesson 06, for each
+# backward at the smallest size: the host's time per call, and the GPU's, from the profiler (both
+# include autograd adding each gradient into ``.grad``).
 
 if __name__ == "__main__" and ON_GPU:
     N = sizes[0]
