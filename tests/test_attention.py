@@ -599,6 +599,28 @@ def test_forward_path_follows_the_table_unless_the_caller_chooses(monkeypatch, m
     assert choose(None) is True
 
 
+def test_the_gluon_check_runs_only_when_its_answer_matters(monkeypatch):
+    # Asking whether the Gluon kernels can take the inputs costs host time on every call: where the tables
+    # pick the portable kernels, a call must not ask; where they pick Gluon, it asks once for both choices.
+    asked = []
+    monkeypatch.setattr(V2, "tuned_case", lambda q, causal: (64, causal, 1024))
+    monkeypatch.setattr(HOPPER_FWD, "gluon_allowed", lambda *args: asked.append(args) or True)
+    q = torch.empty(1, 1, 8, 64, dtype=torch.float16)
+    for forward, backward, expected in (("portable", "two-pass", 0), ("portable", "atomic", 0),
+                                        ("gluon", "two-pass", 1), ("portable", "gluon", 1), ("gluon", "gluon", 1)):
+        monkeypatch.setattr(HOPPER_FWD, "FORWARD_PATHS", {(64, True, 1024): forward})
+        monkeypatch.setattr(HOPPER, "BACKWARD_PATHS", {(64, True, 1024): backward})
+        asked.clear()
+        assert HOPPER.choose_paths(q, q, q, True, 0.125, None, None) == (forward == "gluon", backward)
+        assert len(asked) == expected, (forward, backward, asked)
+    with pytest.raises(TypeError, match="warp_specialized must be None, True or False"):
+        HOPPER.choose_paths(q, q, q, True, 0.125, None, 0)
+    with pytest.raises(TypeError, match="atomic_dq must be None, True or False"):
+        HOPPER.choose_paths(q, q, q, True, 0.125, 1, None)
+    with pytest.raises(TypeError, match="warp_specialized must be None, True or False"):
+        HOPPER_FWD.use_warp_specialized(q, q, q, True, 0.125, "yes")
+
+
 def test_the_sweep_rewrites_only_its_own_block(tmp_path):
     import tune
     lesson = tmp_path / "lesson.py"

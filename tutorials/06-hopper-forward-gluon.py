@@ -473,8 +473,6 @@ class _AttentionHopperForward(torch.autograd.Function):
 def gluon_allowed(q, k, v, warp_specialized, sm_scale):
     """Whether the Gluon kernels may run: False when asked not to or when they cannot (a ValueError that
     says why if warp_specialized=True insists)."""
-    if warp_specialized is not None and not isinstance(warp_specialized, bool):
-        raise TypeError(f"warp_specialized must be None, True or False, got {warp_specialized!r}")
     if warp_specialized is False:
         return False
     reason = warp_specialized_unsupported(q, k, v, sm_scale)
@@ -483,15 +481,22 @@ def gluon_allowed(q, k, v, warp_specialized, sm_scale):
     return reason is None
 
 
+def check_flag(name, value):
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{name} must be None, True or False, got {value!r}")
+
+
 def forward_choice(q, causal, warp_specialized, gluon):
-    """Whether to run the Gluon forward, given gluon_allowed's answer: the faster one measured for this
-    case, unless the caller chose."""
-    return gluon and (warp_specialized or FORWARD_PATHS.get(V2.tuned_case(q, causal), "gluon") == "gluon")
+    """Whether to run the Gluon forward: the faster one measured for this case, unless the caller chose.
+    gluon() gives gluon_allowed's answer; finding it out costs host time, so it is asked only when the
+    table or the caller does not already settle the choice."""
+    return bool(warp_specialized or FORWARD_PATHS.get(V2.tuned_case(q, causal), "gluon") == "gluon") and gluon()
 
 
 def use_warp_specialized(q, k, v, causal, sm_scale, warp_specialized):
     """Whether to run the Gluon forward: the faster one measured for this case, unless the caller chose."""
-    return forward_choice(q, causal, warp_specialized, gluon_allowed(q, k, v, warp_specialized, sm_scale))
+    check_flag("warp_specialized", warp_specialized)
+    return forward_choice(q, causal, warp_specialized, lambda: gluon_allowed(q, k, v, warp_specialized, sm_scale))
 
 
 def attention(q, k, v, causal, sm_scale, warp_specialized=None):

@@ -427,24 +427,25 @@ BACKWARD_PATHS = {
 
 def choose_paths(q, k, v, causal, sm_scale, atomic_dq, warp_specialized):
     """(whether to run the Gluon forward, the backward to run) for this case and these arguments. Whether
-    the Gluon kernels can take the inputs costs host time to find out, so it is asked once, for both."""
-    if atomic_dq is not None and not isinstance(atomic_dq, bool):
-        raise TypeError(f"atomic_dq must be None, True or False, got {atomic_dq!r}")
-    gluon = FWD.gluon_allowed(q, k, v, warp_specialized, sm_scale)
+    the Gluon kernels can take the inputs costs host time to find out, so it is asked at most once, for
+    both, and only if the tables or the arguments leave the choice open."""
+    FWD.check_flag("atomic_dq", atomic_dq)
+    FWD.check_flag("warp_specialized", warp_specialized)
+    gluon = functools.cache(lambda: FWD.gluon_allowed(q, k, v, warp_specialized, sm_scale))
     return (FWD.forward_choice(q, causal, warp_specialized, gluon),
             backward_path(q, causal, atomic_dq, warp_specialized, gluon))
 
 
 def backward_path(q, causal, atomic_dq, warp_specialized, gluon):
-    """"gluon", "two-pass" or "atomic": the backward to run, given gluon_allowed's answer."""
+    """"gluon", "two-pass" or "atomic": the backward to run; gluon() gives gluon_allowed's answer."""
     if atomic_dq is False:
         return "two-pass"
     if warp_specialized or atomic_dq:
-        return "gluon" if gluon else "atomic"
-    measured = BACKWARD_PATHS.get(V2.tuned_case(q, causal))
-    if measured == "gluon" and not gluon:
-        measured = None
-    return measured or ("gluon" if gluon else "two-pass")
+        return "gluon" if gluon() else "atomic"
+    measured = BACKWARD_PATHS.get(V2.tuned_case(q, causal), "gluon")
+    if measured == "gluon":
+        return "gluon" if gluon() else "two-pass"
+    return measured
 
 
 class _AttentionHopper(torch.autograd.Function):
