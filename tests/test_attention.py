@@ -621,6 +621,25 @@ def test_the_gluon_check_runs_only_when_its_answer_matters(monkeypatch):
         HOPPER_FWD.use_warp_specialized(q, q, q, True, 0.125, "yes")
 
 
+def test_the_sweep_keeps_every_bucket_within_a_tie_of_its_fastest_with_fewer_configurations():
+    import random
+
+    import tune
+    # One configuration within the tie of the fastest everywhere: it alone serves every bucket.
+    times = {1024: {"a": 1.00, "b": 1.02}, 2048: {"a": 1.10, "b": 1.00}, 4096: {"a": 1.20, "b": 1.01, "c": 1.00}}
+    assert tune.fewest_configs(times, tied=0.03) == {1024: "b", 2048: "b", 4096: "b"}
+    # No tie: each bucket keeps its own fastest.
+    assert tune.fewest_configs(times, tied=0.0) == {1024: "a", 2048: "b", 4096: "c"}
+    rng = random.Random(0)
+    for _ in range(200):
+        table = {n: {c: rng.uniform(1.0, 1.2) for c in "abcdef" if rng.random() < 0.8 or c == "a"} for n in range(6)}
+        picked = tune.fewest_configs(table, tied=0.03)
+        assert set(picked) == set(table)
+        for n, c in picked.items():
+            assert table[n][c] <= 1.03 * min(table[n].values()), (table, picked)
+        assert len(set(picked.values())) <= len({min(t, key=t.get) for t in table.values()})
+
+
 def test_the_sweep_rewrites_only_its_own_block(tmp_path):
     import tune
     lesson = tmp_path / "lesson.py"

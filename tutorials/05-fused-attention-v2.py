@@ -282,8 +282,11 @@ def attn_fwd_kernel(
 # Candidates that cannot work are never compiled: tiles that break the causal split, and pipelines
 # whose buffered key and value tiles (``num_stages x 2 x BLOCK_N x D`` elements) would not fit in
 # the SM's shared memory. The best two or three configurations are often within a few percent of
-# each other, about the GPU's run-to-run noise, so a new sweep can pick other winners where they
-# are that close. Under the interpreter there is nothing to tune, and one configuration runs.
+# each other, about the GPU's run-to-run noise, and every distinct configuration a build runs is
+# one more compilation. So the sweep treats configurations within 3% of a length's fastest as tied,
+# and among tied ones keeps as few distinct configurations per kernel, head dimension and masking
+# as it can ("Which tiles ran", below, counts them). Under the interpreter there is nothing to
+# tune, and one configuration runs.
 
 
 def _configs(shapes):
@@ -329,9 +332,9 @@ TUNED_CONFIGS = {
     ('dkdv', 64, False, 1024): (64, 64, 4, 3),
     ('dkdv', 64, False, 2048): (64, 64, 4, 3),
     ('dkdv', 64, False, 4096): (64, 64, 4, 3),
-    ('dkdv', 64, False, 8192): (64, 64, 4, 2),
+    ('dkdv', 64, False, 8192): (64, 64, 4, 3),
     ('dkdv', 64, False, 16384): (64, 64, 4, 3),
-    ('dkdv', 64, True, 1024): (32, 64, 4, 4),
+    ('dkdv', 64, True, 1024): (64, 64, 4, 3),
     ('dkdv', 64, True, 2048): (64, 64, 4, 3),
     ('dkdv', 64, True, 4096): (64, 64, 4, 3),
     ('dkdv', 64, True, 8192): (64, 64, 4, 3),
@@ -341,22 +344,22 @@ TUNED_CONFIGS = {
     ('dkdv', 128, False, 4096): (64, 64, 4, 2),
     ('dkdv', 128, False, 8192): (64, 64, 4, 2),
     ('dkdv', 128, False, 16384): (64, 64, 4, 2),
-    ('dkdv', 128, True, 1024): (64, 64, 4, 2),
+    ('dkdv', 128, True, 1024): (64, 128, 8, 3),
     ('dkdv', 128, True, 2048): (64, 64, 4, 2),
-    ('dkdv', 128, True, 4096): (32, 64, 4, 4),
+    ('dkdv', 128, True, 4096): (64, 64, 4, 2),
     ('dkdv', 128, True, 8192): (64, 64, 4, 2),
-    ('dkdv', 128, True, 16384): (64, 128, 8, 3),
+    ('dkdv', 128, True, 16384): (64, 64, 4, 2),
     ('dkdv-atomic', 64, False, 1024): (64, 64, 4, 3),
     ('dkdv-atomic', 64, False, 2048): (64, 64, 4, 3),
-    ('dkdv-atomic', 64, False, 4096): (64, 64, 4, 3),
-    ('dkdv-atomic', 64, False, 8192): (64, 64, 4, 3),
+    ('dkdv-atomic', 64, False, 4096): (64, 128, 8, 3),
+    ('dkdv-atomic', 64, False, 8192): (64, 128, 8, 3),
     ('dkdv-atomic', 64, False, 16384): (64, 128, 8, 3),
-    ('dkdv-atomic', 64, True, 1024): (64, 128, 8, 3),
+    ('dkdv-atomic', 64, True, 1024): (64, 64, 4, 3),
     ('dkdv-atomic', 64, True, 2048): (64, 64, 4, 3),
     ('dkdv-atomic', 64, True, 4096): (64, 64, 4, 3),
     ('dkdv-atomic', 64, True, 8192): (64, 64, 4, 3),
-    ('dkdv-atomic', 64, True, 16384): (64, 128, 8, 3),
-    ('dkdv-atomic', 128, False, 1024): (64, 64, 4, 3),
+    ('dkdv-atomic', 64, True, 16384): (64, 64, 4, 3),
+    ('dkdv-atomic', 128, False, 1024): (64, 128, 8, 3),
     ('dkdv-atomic', 128, False, 2048): (64, 128, 8, 3),
     ('dkdv-atomic', 128, False, 4096): (64, 128, 8, 3),
     ('dkdv-atomic', 128, False, 8192): (64, 128, 8, 3),
@@ -367,45 +370,45 @@ TUNED_CONFIGS = {
     ('dkdv-atomic', 128, True, 8192): (64, 128, 8, 3),
     ('dkdv-atomic', 128, True, 16384): (64, 128, 8, 3),
     ('dq', 64, False, 1024): (64, 128, 8, 3),
-    ('dq', 64, False, 2048): (64, 64, 4, 2),
-    ('dq', 64, False, 4096): (64, 64, 4, 2),
+    ('dq', 64, False, 2048): (64, 128, 8, 3),
+    ('dq', 64, False, 4096): (64, 128, 8, 3),
     ('dq', 64, False, 8192): (64, 128, 8, 3),
     ('dq', 64, False, 16384): (64, 128, 8, 3),
-    ('dq', 64, True, 1024): (32, 128, 4, 3),
-    ('dq', 64, True, 2048): (64, 64, 4, 3),
-    ('dq', 64, True, 4096): (64, 64, 4, 2),
+    ('dq', 64, True, 1024): (32, 64, 4, 4),
+    ('dq', 64, True, 2048): (64, 128, 8, 3),
+    ('dq', 64, True, 4096): (64, 128, 8, 3),
     ('dq', 64, True, 8192): (64, 128, 8, 3),
     ('dq', 64, True, 16384): (64, 128, 8, 3),
     ('dq', 128, False, 1024): (64, 128, 8, 3),
     ('dq', 128, False, 2048): (64, 128, 8, 3),
     ('dq', 128, False, 4096): (64, 128, 8, 3),
-    ('dq', 128, False, 8192): (64, 64, 4, 2),
+    ('dq', 128, False, 8192): (64, 128, 8, 3),
     ('dq', 128, False, 16384): (64, 128, 8, 3),
-    ('dq', 128, True, 1024): (32, 64, 4, 4),
+    ('dq', 128, True, 1024): (64, 64, 4, 2),
     ('dq', 128, True, 2048): (64, 128, 8, 3),
-    ('dq', 128, True, 4096): (64, 128, 8, 3),
+    ('dq', 128, True, 4096): (64, 64, 4, 2),
     ('dq', 128, True, 8192): (64, 64, 4, 2),
     ('dq', 128, True, 16384): (64, 128, 8, 3),
-    ('fwd', 64, False, 1024): (64, 64, 4, 3),
-    ('fwd', 64, False, 2048): (128, 64, 8, 4),
+    ('fwd', 64, False, 1024): (128, 64, 8, 3),
+    ('fwd', 64, False, 2048): (128, 64, 8, 3),
     ('fwd', 64, False, 4096): (128, 64, 8, 3),
     ('fwd', 64, False, 8192): (128, 64, 8, 3),
-    ('fwd', 64, False, 16384): (128, 64, 8, 4),
-    ('fwd', 64, True, 1024): (64, 64, 4, 3),
-    ('fwd', 64, True, 2048): (64, 64, 4, 3),
-    ('fwd', 64, True, 4096): (128, 64, 8, 3),
+    ('fwd', 64, False, 16384): (128, 64, 8, 3),
+    ('fwd', 64, True, 1024): (128, 64, 8, 4),
+    ('fwd', 64, True, 2048): (128, 64, 8, 4),
+    ('fwd', 64, True, 4096): (128, 64, 8, 4),
     ('fwd', 64, True, 8192): (128, 64, 8, 4),
-    ('fwd', 64, True, 16384): (128, 64, 8, 3),
-    ('fwd', 128, False, 1024): (128, 64, 8, 3),
+    ('fwd', 64, True, 16384): (128, 64, 8, 4),
+    ('fwd', 128, False, 1024): (128, 128, 8, 3),
     ('fwd', 128, False, 2048): (128, 128, 8, 3),
     ('fwd', 128, False, 4096): (128, 128, 8, 3),
     ('fwd', 128, False, 8192): (128, 128, 8, 3),
     ('fwd', 128, False, 16384): (128, 128, 8, 3),
-    ('fwd', 128, True, 1024): (128, 128, 8, 3),
+    ('fwd', 128, True, 1024): (64, 64, 4, 3),
     ('fwd', 128, True, 2048): (64, 64, 4, 3),
-    ('fwd', 128, True, 4096): (128, 64, 8, 3),
-    ('fwd', 128, True, 8192): (128, 64, 8, 4),
-    ('fwd', 128, True, 16384): (128, 64, 8, 3),
+    ('fwd', 128, True, 4096): (64, 64, 4, 3),
+    ('fwd', 128, True, 8192): (128, 128, 8, 3),
+    ('fwd', 128, True, 16384): (128, 128, 8, 3),
 }
 # END tools/tune.py attention
 
@@ -998,8 +1001,10 @@ if __name__ == "__main__":
     if not ON_GPU:
         print(f"Under the interpreter nothing is tuned: one configuration per kernel ran, {INTERPRETER_CONFIGS}.")
     elif TUNED_ON and tuned_case(torch.empty(1, 1, 1, 128, dtype=torch.float16, device=DEVICE), False):
+        distinct = {(name, D, causal, config) for (name, D, causal, _), config in TUNED_CONFIGS.items()}
         print(f"From the table, measured on {TUNED_ON['gpu']} with torch {TUNED_ON['torch']} and Triton "
-              f"{TUNED_ON['triton']} on {TUNED_ON['date']}.")
+              f"{TUNED_ON['triton']} on {TUNED_ON['date']}. For its {len(TUNED_CONFIGS)} cases (kernel, head dim, "
+              f"masking, length) it names {len(distinct)} distinct configurations: one compilation each, per dtype.")
     else:
         print("The table does not cover this GPU: the autotuner picked these in this run.")
 
