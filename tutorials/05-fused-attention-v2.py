@@ -716,12 +716,16 @@ if ON_GPU:
     _fwd = triton.autotune(_configs(FWD_SHAPES), key=["D", "CAUSAL", "N_BUCKET"],
                            prune_configs_by={"early_config_prune": _prune_fwd})(attn_fwd_kernel)
     # Timing a configuration runs the kernel, and with ATOMIC_DQ that adds to the dQ buffer:
-    # reset_to_zero clears it before each trial and before the real call.
-    _dkdv = triton.autotune(_configs(BWD_SHAPES), key=["D", "CAUSAL", "ATOMIC_DQ", "N_BUCKET"], reset_to_zero=["DQ"],
+    # reset_to_zero clears it before each trial and before the real call. The two-pass dK, dV pass
+    # gets its own tuner without it, since there DQ holds the dQ pass's finished result.
+    _dkdv_atomic = triton.autotune(_configs(BWD_SHAPES), key=["D", "CAUSAL", "ATOMIC_DQ", "N_BUCKET"],
+                                   reset_to_zero=["DQ"], prune_configs_by={"early_config_prune": _prune_bwd}
+                                   )(attn_bwd_dkdv_kernel)
+    _dkdv = triton.autotune(_configs(BWD_SHAPES), key=["D", "CAUSAL", "ATOMIC_DQ", "N_BUCKET"],
                             prune_configs_by={"early_config_prune": _prune_bwd})(attn_bwd_dkdv_kernel)
     _dq = triton.autotune(_configs(BWD_SHAPES), key=["D", "CAUSAL", "N_BUCKET"],
                           prune_configs_by={"early_config_prune": _prune_bwd})(attn_bwd_dq_kernel)
-    TUNERS = {"fwd": _fwd, "dkdv": _dkdv, "dkdv-atomic": _dkdv, "dq": _dq}
+    TUNERS = {"fwd": _fwd, "dkdv": _dkdv, "dkdv-atomic": _dkdv_atomic, "dq": _dq}
 
 
 def _launch(kernel, name, case, grid, *args, **meta):
