@@ -12,6 +12,7 @@ Uses the lessons' own kernels (imported, not copied); needs a CUDA GPU.
 import datetime
 import itertools
 import sys
+import time
 
 import torch
 import triton
@@ -119,11 +120,15 @@ def fewest_configs(times, tied=TIED):
 
 
 def tune_attention():
-    """For each head dim, masking and sequence length of lesson 05's benchmark: the time of every tile
+    """For each head dim, masking and sequence length of lesson 05's benchmark: the GPU time of every tile
     configuration of each of lesson 05's kernels, then (fewest_configs) one configuration per bucket with
     as few distinct ones as keep every bucket within TIED of its fastest. With those, the faster forward
     (Gluon or portable) and the fastest backward (Gluon, two-pass or atomic), each timed the way a user
-    calls it, host time included. Writes the tables into lessons 05, 06 and 07."""
+    calls it, host time included. Writes the tables into lessons 05, 06 and 07.
+
+    Tiles are compared by the kernel's own GPU time, from the profiler: every tile of one kernel costs
+    the host the same, and at short lengths the host's time per call varies more on a shared machine
+    than the kernels differ."""
     V1 = load("04-fused-attention-v1")
     V2 = load("05-fused-attention-v2")
     FWD = load("06-hopper-forward-gluon")
@@ -141,6 +146,15 @@ def tune_attention():
         return [torch.randn(4, heads[D], N, D, device="cuda", dtype=torch.float16, requires_grad=True)
                 for _ in range(3)]
 
+    def kernel_ms(fn, kernel):
+        """GPU milliseconds per call of fn spent in the kernel named kernel, on a warm GPU."""
+        calls, start = 0, time.perf_counter()
+        while time.perf_counter() - start < 0.05 or calls < 2:  # clocks up again after a compilation
+            fn()
+            torch.cuda.synchronize()
+            calls += 1
+        return FWD.kernel_ms(fn, max(3, min(30, calls)))[kernel]
+
     times = {}  # (kernel name, D, causal) -> {N: {configuration: ms}}
     for D in heads:
         shapes = {name: [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
@@ -150,7 +164,9 @@ def tune_attention():
         for causal in (False, True):
             scale = D ** -0.5
             for N in sizes:
-                q, k, v = inputs(D, N)
+                q, k, v = (t.detach() for t in inputs(D, N))
+                o, lse = V2.forward(q, k, v, causal, scale)
+                do = torch.randn_like(o)
                 case = (D, causal, N)
 
                 def sweep(name, candidates, timer):
@@ -160,14 +176,15 @@ def tune_attention():
                         measured[shape] = timer()
                     V2.TUNED_CONFIGS[(name, *case)] = min(measured, key=measured.get)
 
-                def backward(atomic_dq):
-                    return V1.backward_ms(lambda q, k, v: V2.attention(q, k, v, causal, scale, atomic_dq), q, k, v)
+                def backward(atomic_dq, kernel):
+                    return kernel_ms(lambda: V2.backward(q, k, v, o, do, lse, causal, scale, atomic_dq), kernel)
 
-                sweep("fwd", shapes["fwd"], lambda: V1.bench_ms(lambda: V2.attention(q, k, v, causal, scale)))
+                sweep("fwd", shapes["fwd"], lambda: kernel_ms(lambda: V2.forward(q, k, v, causal, scale),
+                                                              "attn_fwd_kernel"))
                 V2.TUNED_CONFIGS[("dkdv", *case)] = shapes["bwd"][0]  # until its own turn below
-                sweep("dq", shapes["bwd"], lambda: backward(False))
-                sweep("dkdv", shapes["bwd"], lambda: backward(False))
-                sweep("dkdv-atomic", shapes["bwd"], lambda: backward(True))
+                sweep("dq", shapes["bwd"], lambda: backward(False, "attn_bwd_dq_kernel"))
+                sweep("dkdv", shapes["bwd"], lambda: backward(False, "attn_bwd_dkdv_kernel"))
+                sweep("dkdv-atomic", shapes["bwd"], lambda: backward(True, "attn_bwd_dkdv_kernel"))
                 fastest = {name: min(times[(name, D, causal)][N].items(), key=lambda item: item[1])
                            for name in V2.INTERPRETER_CONFIGS}
                 print(f"D={D} causal={causal!s:5} N={N:5d} fastest: " +

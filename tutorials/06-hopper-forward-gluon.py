@@ -428,7 +428,7 @@ def _ws_forward(q, k, v, o, lse, causal, sm_scale):
 FORWARD_PATHS = {
     (64, False, 1024): 'portable',
     (64, False, 2048): 'portable',
-    (64, False, 4096): 'gluon',
+    (64, False, 4096): 'portable',
     (64, False, 8192): 'portable',
     (64, False, 16384): 'gluon',
     (64, True, 1024): 'portable',
@@ -442,7 +442,7 @@ FORWARD_PATHS = {
     (128, False, 8192): 'gluon',
     (128, False, 16384): 'gluon',
     (128, True, 1024): 'portable',
-    (128, True, 2048): 'gluon',
+    (128, True, 2048): 'portable',
     (128, True, 4096): 'gluon',
     (128, True, 8192): 'gluon',
     (128, True, 16384): 'gluon',
