@@ -319,6 +319,7 @@ def test_fp8_refuses_head_dim_16(rng):
 
 def test_benchmark_rounds_alternate_and_drop_a_failing_provider(monkeypatch, capsys):
     monkeypatch.setattr(V1, "ROUNDS", 3)
+    monkeypatch.setattr(V1, "AGREE", 100.0)  # no timing is timed again here: see the next test
     calls = []
 
     def timer(name, ms=1.0):
@@ -334,6 +335,23 @@ def test_benchmark_rounds_alternate_and_drop_a_failing_provider(monkeypatch, cap
     assert calls == ["a", "broken", "b", "b", "a", "a", "b"]  # rounds: first to last, back, again; "broken" once
     assert times == {("a", "fwd"): [2.0, 6.0, 7.0], ("b", "bwd"): [4.0, 5.0, 8.0]}
     assert "broken skipped at N=7: no kernel for this case" in capsys.readouterr().out
+
+
+def test_a_provider_whose_two_fastest_timings_disagree_is_timed_again(monkeypatch):
+    monkeypatch.setattr(V1, "ROUNDS", 2)
+    monkeypatch.setattr(V1, "MAX_TIMINGS", 4)
+    monkeypatch.setattr(V1, "AGREE", 0.25)
+    sequences = {"steady": [1.0, 1.2], "disturbed": [1.0, 2.0, 1.1], "always": [1.0, 3.0, 3.0, 3.0, 3.0],
+                 "slow first": [3.0, 1.0, 1.2]}
+
+    def timer(name):
+        return lambda: sequences[name].pop(0)
+
+    times = V1.measure_in_rounds({(name, "fwd"): timer(name) for name in sequences}, "N=7")
+    assert times == {("steady", "fwd"): [1.0, 1.2],  # within 25%: two timings
+                     ("disturbed", "fwd"): [1.0, 2.0, 1.1],  # a third agrees with the first: done
+                     ("always", "fwd"): [1.0, 3.0, 3.0, 3.0],  # never agrees: stops at MAX_TIMINGS
+                     ("slow first", "fwd"): [3.0, 1.0, 1.2]}
 
 
 # The exercises' checks: each must accept a correct answer and reject a known wrong one.

@@ -580,7 +580,8 @@ if __name__ == "__main__":
 # ---------
 # The forward pass in TFLOP/s at the previous lesson's sizes, against the portable kernel and
 # SDPA's backends, measured in this run the same way (each provider timed twice in alternating
-# order, the faster kept). The ceiling is the fp16 matrix-multiply rate measured in this run.
+# order, more often where the two disagree, the fastest kept). The ceiling is the fp16
+# matrix-multiply rate measured in this run.
 
 WS = "Triton, warp-specialized (Gluon)"
 PORTABLE = "Triton v2 (lesson 05)"
