@@ -354,11 +354,16 @@ def test_perf_ceiling_ranges():
                ceiling_record("05-b", (MATMUL, 742.4, "TFLOP/s")),
                ceiling_record("06-c", (MATMUL, 716.0, "TFLOP/s"), (MATMUL, 670.6, "TFLOP/s"))]
     assert perf_summary.ceiling_ranges(results) == [
-        "The fp16 matmul rate was measured in 4 benchmarks of this build: from 653 to 742 TFLOP/s "
+        "The fp16 matmul rate was measured 4 times in this build: from 653 to 742 TFLOP/s "
         "(each benchmark's fractions use its own run's figure)."]
     results.append(ceiling_record("07-d", ("copy bandwidth", 2.0922, "GB/s")))
     assert perf_summary.ceiling_ranges(results)[1] == (
-        "The copy bandwidth was measured in 2 benchmarks of this build: from 2.09 to 3352 GB/s "
+        "The copy bandwidth was measured 2 times in this build: from 2.09 to 3352 GB/s "
+        "(each benchmark's fractions use its own run's figure).")
+    # Two benchmarks of one lesson sharing its run's figure are one measurement, used twice.
+    results.append(ceiling_record("08-e", (MATMUL, 700.0, "TFLOP/s"), (MATMUL, 700.0, "TFLOP/s")))
+    assert perf_summary.ceiling_ranges(results)[0] == (
+        "The fp16 matmul rate was measured 5 times in this build (for 6 benchmarks): from 653 to 742 TFLOP/s "
         "(each benchmark's fractions use its own run's figure).")
 
 
@@ -369,10 +374,13 @@ def test_perf_ceiling_ranges_need_two_measurements_of_one_quantity():
     assert perf_summary.ceiling_ranges([ceiling_record("04-a", (MATMUL, 653.2, "TFLOP/s"))]) == []
     # The same name in another unit is another quantity: no range across units.
     assert perf_summary.ceiling_ranges(once + [ceiling_record("06-c", (MATMUL, 90.0, "GB/s"))]) == []
-    # One run's figure shared by two benchmarks: one value, not a range from it to itself.
+    # One run's figure shared by two benchmarks is one measurement: nothing to compare it with.
     shared = [ceiling_record("05-b", (MATMUL, 0.19636, "TFLOP/s"), (MATMUL, 0.19636, "TFLOP/s"))]
-    assert perf_summary.ceiling_ranges(shared) == [
-        "The fp16 matmul rate was measured in 2 benchmarks of this build: 0.196 TFLOP/s in each "
+    assert perf_summary.ceiling_ranges(shared) == []
+    # Two lessons that measured the same figure: a range from it to itself is one value.
+    twice = shared + [ceiling_record("06-c", (MATMUL, 0.19636, "TFLOP/s"))]
+    assert perf_summary.ceiling_ranges(twice) == [
+        "The fp16 matmul rate was measured 2 times in this build (for 3 benchmarks): 0.196 TFLOP/s each time "
         "(each benchmark's fractions use its own run's figure)."]
 
 

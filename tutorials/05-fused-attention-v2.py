@@ -105,7 +105,8 @@ results_table, spread_summary, ROUNDS = V1.results_table, V1.spread_summary, V1.
 #   its rows of :math:`dQ` outright. Which is faster is measured below.
 # * **Causal work split by the diagonal.** For a query block, key blocks entirely below the
 #   diagonal are fully visible and need no mask; only the blocks that the diagonal crosses are
-#   masked. Blocks above it are skipped altogether: causal attention does half the work. The grid
+#   masked. Blocks above it are skipped altogether: causal attention does about half the work
+#   (more than half at short lengths, where the diagonal's blocks weigh more). The grid
 #   below, drawn by this lesson's own code, shows which is which for a small case.
 
 LOG2E = 1.4426950408889634
@@ -458,7 +459,8 @@ def tuned_case(q, causal):
 #               = \sum_d dO_{id}\, O_{id},
 #
 #   a dot product of two rows that are already in memory. Triton's tutorial computes it in a
-#   small *preprocess* kernel before the main passes. Here it costs no kernel of its own (see
+#   small *preprocess* kernel before the main passes. In this lesson's default, two-pass
+#   backward it costs no kernel of its own; only the atomic backward keeps the preprocess (see
 #   "Who owns what").
 # * :math:`S = \mathrm{scale}\cdot QK^T` gives :math:`dQ = \mathrm{scale}\cdot dS\,K` and
 #   :math:`dK = \mathrm{scale}\cdot dS^T Q`.
@@ -702,10 +704,11 @@ def attn_bwd_dq_kernel(
 # queries) and walks the small one (of keys), just as the :math:`dK, dV` kernel owns the large
 # block of keys. One list of candidate pairs serves both, and each kernel gets its own measured pick.
 #
-# A note on the interpreter: in Triton 3.9 it stores bf16 values as 16-bit integers and
-# multiplies those integers inside ``tl.dot``. The kernels take an ``UPCAST_DOT`` flag that turns
-# the first operands into fp32 (and the helpers follow the dtype they see); the launcher sets it
-# only for bf16 under the interpreter, so compiled GPU code never pays for it.
+# A note on the interpreter (of Triton 3.9, which the pinned requirements install): it stores bf16
+# values as 16-bit integers and multiplies those integers inside ``tl.dot``. The kernels take an
+# ``UPCAST_DOT`` flag that turns the first operands into fp32 (and the helpers follow the dtype
+# they see); the launcher sets it only for bf16 under the interpreter, so compiled GPU code never
+# pays for it.
 #
 # The launcher and autograd
 # -------------------------

@@ -210,21 +210,27 @@ def ceiling_text(bench):
 
 
 def ceiling_ranges(results):
-    """One sentence per ceiling that more than one benchmark measured, with the lowest and highest value.
+    """One sentence per ceiling that was measured more than once, with the lowest and highest value.
 
     Each lesson measures its ceiling in its own run, and the runs differ; the sentence shows by how much,
-    so that fractions from different lessons are not read as if they shared one denominator."""
-    measured = {}
+    so that fractions from different lessons are not read as if they shared one denominator. Benchmarks
+    of one lesson that share its run's figure count as one measurement."""
+    measured, benchmarks = {}, {}
     for result in results:
         for bench in result["benchmarks"]:
-            measured.setdefault((bench["ceiling_name"], bench["unit"]), []).append(bench["ceiling"])
+            key = (bench["ceiling_name"], bench["unit"])
+            measured.setdefault(key, set()).add((result["tutorial"], bench["ceiling"]))
+            benchmarks[key] = benchmarks.get(key, 0) + 1
     sentences = []
-    for (name, unit), values in measured.items():
-        if len(values) < 2:
+    for (name, unit), runs in measured.items():
+        if len(runs) < 2:
             continue
+        values = [value for _, value in runs]
         low, high = format_rate(min(values)), format_rate(max(values))
-        spread = f"{low} {unit} in each" if low == high else f"from {low} to {high} {unit}"
-        sentences.append(f"The {name} was measured in {len(values)} benchmarks of this build: {spread} "
+        spread = f"{low} {unit} each time" if low == high else f"from {low} to {high} {unit}"
+        count = benchmarks[(name, unit)]
+        used_by = f" (for {count} benchmarks)" if count != len(runs) else ""
+        sentences.append(f"The {name} was measured {len(runs)} times in this build{used_by}: {spread} "
                          "(each benchmark's fractions use its own run's figure).")
     return sentences
 
