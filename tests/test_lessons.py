@@ -11,8 +11,8 @@ from conftest import ROOT, TUTORIALS
 from lessons import load, stems
 
 LESSONS = stems()
-SHARED_HELPERS = ["describe_platform", "bench_ms", "save_results", "matmul_tflops", "check_input", "copy_bandwidth_gbs",
-                  "load_sibling", "fastest_of_rounds"]
+SHARED_HELPERS = ["describe_platform", "warm_up", "bench_ms", "save_results", "matmul_tflops", "check_input",
+                  "copy_bandwidth_gbs", "load_sibling", "fastest_of_rounds"]
 
 
 @pytest.mark.parametrize("helper", SHARED_HELPERS)

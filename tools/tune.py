@@ -12,7 +12,6 @@ Uses the lessons' own kernels (imported, not copied); needs a CUDA GPU.
 import datetime
 import itertools
 import sys
-import time
 
 import torch
 import triton
@@ -148,12 +147,7 @@ def tune_attention():
 
     def kernel_ms(fn, kernel):
         """GPU milliseconds per call of fn spent in the kernel named kernel, on a warm GPU."""
-        calls, start = 0, time.perf_counter()
-        while time.perf_counter() - start < 0.05 or calls < 2:  # clocks up again after a compilation
-            fn()
-            torch.cuda.synchronize()
-            calls += 1
-        return FWD.kernel_ms(fn, max(3, min(30, calls)))[kernel]
+        return FWD.kernel_ms(fn, max(3, min(30, V1.warm_up(fn))))[kernel]
 
     times = {}  # (kernel name, D, causal) -> {N: {configuration: ms}}
     for D in heads:
@@ -189,11 +183,13 @@ def tune_attention():
                            for name in V2.INTERPRETER_CONFIGS}
                 print(f"D={D} causal={causal!s:5} N={N:5d} fastest: " +
                       " ".join(f"{name} {shape} {ms:.3f} ms" for name, (shape, ms) in fastest.items()), flush=True)
+    distinct = 0
     for (name, D, causal), per_size in times.items():
-        for N, shape in fewest_configs(per_size).items():
+        kept = fewest_configs(per_size)
+        for N, shape in kept.items():
             V2.TUNED_CONFIGS[(name, D, causal, N)] = shape
-    distinct = {key: len(set(fewest_configs(per_size).values())) for key, per_size in times.items()}
-    print(f"distinct configurations: {sum(distinct.values())} (fastest at every bucket: "
+        distinct += len(set(kept.values()))
+    print(f"distinct configurations: {distinct} (fastest at every bucket: "
           f"{sum(len({min(t, key=t.get) for t in per_size.values()}) for per_size in times.values())})")
 
     forward_paths, backward_paths = {}, {}

@@ -455,16 +455,24 @@ def describe_platform():
             "these timings measure the interpreter, not a GPU")
 
 
+def warm_up(fn):
+    """Run fn on the GPU for 50 ms and return how many calls that took.
+
+    While the host compiles, the GPU idles and its clocks drop; do_bench sizes its repetitions from the
+    first few calls, so a kernel timed right after its compilation was timed on a cold GPU (seen on an
+    H100: 90 GB/s for a softmax that runs at 1000)."""
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < 0.05:  # waiting each time: a queue of slow calls would take minutes
+        fn()
+        torch.cuda.synchronize()
+        calls += 1
+    return calls
+
+
 def bench_ms(fn):
     """Median time of fn() in milliseconds: do_bench on a GPU, wall clock under the interpreter."""
     if ON_GPU:
-        # While the host compiles, the GPU idles and its clocks drop; do_bench sizes its repetitions from
-        # the first few calls, so a kernel timed right after its compilation was timed on a cold GPU
-        # (seen on an H100: 90 GB/s for a softmax that runs at 1000). Run it for 50 ms first.
-        start = time.perf_counter()
-        while time.perf_counter() - start < 0.05:  # waiting each time: a queue of slow calls would take minutes
-            fn()
-            torch.cuda.synchronize()
+        warm_up(fn)
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
     fn()
     times = []
