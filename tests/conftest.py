@@ -26,22 +26,29 @@ def sphinx(src_root, out, *extra, env=None):
         cwd=src_root, capture_output=True, text=True, env=env)
 
 
-@pytest.fixture(scope="session")
-def site(testrun_uid):
-    """The whole site, built once per test run into build/html, with no warnings.
+def build_once(testrun_uid, out, env=None):
+    """Build the repository's own docs into out/html once per test run; return out/html.
 
-    make test runs several test processes (pytest-xdist); the first one to need the site builds it
-    while the others wait on a lock, since two builds at once would write the same files."""
+    make test runs several test processes (pytest-xdist), and any of them may need a build. Every
+    build of docs/ writes the gallery's files under docs/tutorials, so two at once (even into
+    different output folders) would race on those files: builds wait on one lock, and the first
+    process to need a build makes it for all of them."""
     from filelock import FileLock
 
     build = ROOT / "build"
     build.mkdir(exist_ok=True)
-    stamp = build / ".site-built-by"
-    with FileLock(build / ".site.lock"):
+    stamp = out / ".built-by"
+    with FileLock(build / ".sphinx.lock"):
         if not stamp.exists() or stamp.read_text() != testrun_uid:
             stamp.unlink(missing_ok=True)
-            result = sphinx(ROOT, build)
+            result = sphinx(ROOT, out, env=env)
             assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
             assert "warning" not in result.stderr.lower(), result.stderr
             stamp.write_text(testrun_uid)
-    return build / "html"
+    return out / "html"
+
+
+@pytest.fixture(scope="session")
+def site(testrun_uid):
+    """The whole site, built once per test run into build/html, with no warnings."""
+    return build_once(testrun_uid, ROOT / "build")

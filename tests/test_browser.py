@@ -16,7 +16,7 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 import publish
 import pytest
-from conftest import ROOT, sphinx
+from conftest import ROOT, build_once
 from lessons import stems
 
 SCREENSHOTS = ROOT / "build" / "screenshots"
@@ -34,15 +34,14 @@ def find_chromium():
 
 
 @pytest.fixture(scope="module")
-def served_site(site, tmp_path_factory):
+def served_site(site, testrun_uid, tmp_path_factory):
     """build/html published as dev, a second build labelled v1.0.0 published as that release."""
     work = tmp_path_factory.mktemp("versions")
-    release = sphinx(ROOT, work / "release", env=dict(os.environ, DOCS_VERSION="v1.0.0"))
-    assert release.returncode == 0, release.stderr
+    release = build_once(testrun_uid, ROOT / "build" / "release", env=dict(os.environ, DOCS_VERSION="v1.0.0"))
     tree = work / "gh-pages"
     tree.mkdir()
     subprocess.run(["git", "init", "-q", "-b", "gh-pages", str(tree)], check=True)
-    publish.publish(work / "release" / "html", tree, "v1.0.0")
+    publish.publish(release, tree, "v1.0.0")
     publish.publish(site, tree, "main")
 
     handler = functools.partial(QuietHandler, directory=str(tree))
