@@ -156,6 +156,17 @@ def test_unusable_chunk_is_refused_by_name():
         LESSON_02.split_row_softmax(torch.randn(2, 100, device=DEVICE), chunk=100)
 
 
+@pytest.mark.parametrize("num_warps, error", [("x", TypeError), (2.5, TypeError), (True, TypeError),
+                                              (0, ValueError), (-4, ValueError), (3, ValueError), (64, ValueError)])
+def test_unusable_warp_count_is_refused_by_name(num_warps, error):
+    with pytest.raises(error, match="num_warps"):
+        LESSON_02.split_row_softmax(torch.randn(2, 100, device=DEVICE), num_warps=num_warps)
+
+
+def test_a_chosen_warp_count_is_used():
+    check(lambda t: LESSON_02.split_row_softmax(t, num_warps=2), torch.randn(5, 300))
+
+
 def test_split_row_refuses_to_split_under_the_interpreter():
     if LESSON_02.ON_GPU:
         pytest.skip("on a GPU the programs of a row run together")
@@ -386,3 +397,30 @@ def test_rows_past_2_31_elements(name, rng):
     x = storage.as_strided((rows, N), (stride, 1))
     x.copy_(torch.randn(rows, N, generator=rng) * 4)
     check(KERNELS[name], x)
+
+
+def _huge_column_stride(rows, generator, stride=1_200_000_000):
+    """A (rows, 3) view whose last column starts past 2**31 elements, over a mostly untouched allocation."""
+    storage = torch.empty(2 * stride + rows, dtype=torch.float16, device=LESSON_01.DEVICE)
+    x = storage.as_strided((rows, 3), (1, stride))
+    x.copy_(torch.randn(rows, 3, generator=generator) * 4)
+    return x
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_columns_past_2_31_elements(name, rng):
+    """The kernels compute column offsets in 32 bits: a view whose column stride would wrap them is copied
+    first (it used to crash the process, reading far outside the tensor)."""
+    check(KERNELS[name], _huge_column_stride(2, rng))
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_gradient_with_columns_past_2_31_elements(name, rng):
+    leaf = (torch.randn(2, 3, generator=rng) * 4).to(torch.float16).to(DEVICE).requires_grad_()
+    y = KERNELS[name](leaf)
+    dy = _huge_column_stride(2, rng)
+    y.backward(dy)
+    leaf64 = leaf.detach().double().requires_grad_()
+    torch.softmax(leaf64, dim=1).backward(dy.double())
+    tol = TOLERANCE[torch.float16]
+    torch.testing.assert_close(leaf.grad.double(), leaf64.grad, rtol=tol, atol=tol * dy.abs().max().item())

@@ -106,6 +106,10 @@ def softmax_row_kernel(x_ptr, y_ptr, N, x_row_stride, x_col_stride, y_row_stride
 # not: a *negative view* (``torch._neg_view(x)``, or ``x.conj().imag`` of a complex tensor) shares
 # its memory with the un-negated values and only carries a flag saying "negate on read". A kernel
 # reads raw memory and would never see the flag, so the launcher materializes such a view first.
+# Offsets are a second trap: an element's address is ``row * row_stride + column * column_stride``,
+# and an int32 product wraps past :math:`2^{31}`. The kernels compute the row part in int64 (a tall
+# tensor passes that easily) and the per-element column part in int32, the cheaper type; the rare
+# view whose column stride would wrap it is copied to a contiguous layout first.
 #
 # A row must fit in one program's registers. A program runs on one streaming multiprocessor (SM),
 # with at most 1,024 threads that share the SM's 65,536 32-bit registers: at most 64 registers per
@@ -147,7 +151,15 @@ def _prepare(x):
                          f"columns, got {x.shape[1]}. For longer rows use the next lesson, 02-long-softmax.py "
                          "(Softmax over rows too long for one tile).")
     # Conjugate views exist only for complex tensors, which check_input refuses; negative views remain.
-    return x.resolve_neg()
+    return int32_columns(x.resolve_neg())
+
+
+def int32_columns(t):
+    """t, or a contiguous copy of it where a column's offset (index times column stride) would pass 2**31.
+
+    The kernels compute row offsets in int64 but column offsets in int32, the cheaper type for the
+    per-element arithmetic; only a view with a huge column stride needs the copy."""
+    return t.contiguous() if (t.shape[1] - 1) * t.stride(1) >= 2**31 else t
 
 
 def _num_warps(elements):
@@ -355,7 +367,7 @@ def softmax_backward_kernel(y_ptr, dy_ptr, dx_ptr, M, N, dy_row_stride, dy_col_s
 
 def softmax_backward(y, dy):
     """dx = y * (dy - rowsum(dy * y)) for a contiguous softmax output y and its gradient dy."""
-    dy = dy.resolve_neg()
+    dy = int32_columns(dy.resolve_neg())
     M, N = y.shape
     dx = torch.empty_like(y)
     BLOCK_M, BLOCK_N, num_warps = _tile_shape(N)

@@ -328,15 +328,24 @@ def _check_block(name, value):
         raise ValueError(f"{name} must be a power of two from 1 to {MAX_BLOCK}, got {value}")
 
 
+def _check_warps(value):
+    """Refuse a warp count Triton cannot launch (a power of two up to 32: 1,024 threads), naming it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"num_warps must be an int, got {value!r} of type {type(value).__name__}")
+    if value not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"num_warps must be a power of two from 1 to 32, got {value}")
+
+
 def _prepare(x):
     check_input(x)
     # Conjugate views exist only for complex tensors, which check_input refuses; negative views remain.
-    return x.resolve_neg()
+    # Lesson 01's int32_columns copies the rare view whose column offsets would pass 32 bits.
+    return FUSED.int32_columns(x.resolve_neg())
 
 
 def softmax_backward(y, dy, block_n):
     """dx = y * (dy - rowsum(dy * y)) for a contiguous softmax output y, in chunks of at most block_n."""
-    dy = dy.resolve_neg()
+    dy = FUSED.int32_columns(dy.resolve_neg())
     M, N = y.shape
     dx = torch.empty_like(y)
     softmax_backward_kernel[(M,)](y, dy, dx, N, dy.stride(0), dy.stride(1),
@@ -501,7 +510,7 @@ def _split_row(x, chunk, num_warps):
         raise ValueError("split_row_softmax cannot split a row under the Triton interpreter: its programs run "
                          "one after another, and a program waiting for another would wait forever")
     y, args, meta = _split_row_args(x, chunk)
-    num_warps = num_warps or SPLIT_WARPS
+    num_warps = SPLIT_WARPS if num_warps is None else num_warps
     if ON_GPU:
         groups = min(M, _programs_that_fit(args, meta, num_warps) // splits)
         if groups == 0:
@@ -517,6 +526,8 @@ def split_row_softmax(x, chunk=None, num_warps=None):
     x = _prepare(x)
     if chunk is not None:
         _check_block("chunk", chunk)
+    if num_warps is not None:
+        _check_warps(num_warps)
     return _differentiable(lambda t: _split_row(t, chunk, num_warps), x)
 
 
