@@ -96,6 +96,8 @@ BAD_INPUTS = [
     ("meta device", lambda: (ones(3, 4), ones(4, 2, device="meta")), ValueError, "b is on device 'meta'"),
     # Broadcast, so 2**30 rows cost one element.
     ("2**30 rows", lambda: (ones(1, 1).expand(2**30, 1), ones(1, 1)), ValueError, r"below 2\*\*30"),
+    ("a requires grad", lambda: (ones(3, 4).requires_grad_(), ones(4, 2)), TypeError, "forward-only"),
+    ("b requires grad", lambda: (ones(3, 4), ones(4, 2).requires_grad_()), TypeError, "forward-only"),
 ]
 
 
@@ -105,10 +107,16 @@ def test_bad_input_is_refused_clearly(name, make, error, message):
         L.matmul(*make())
 
 
-@pytest.mark.parametrize("group_m", [0, -1, 2.0, None])
+@pytest.mark.parametrize("group_m", [0, -1, 2.0, None, True, 2**40])
 def test_bad_group_m_is_refused(group_m):
     with pytest.raises(ValueError, match="group_m"):
         L.matmul(ones(2, 2), ones(2, 2), group_m)
+
+
+def test_inputs_that_require_grad_are_fine_without_a_graph():
+    a, b = ones(3, 4).requires_grad_(), ones(4, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(L.matmul(a, b).float(), torch.full((3, 2), 4.0, device=a.device))
 
 
 @pytest.mark.parametrize("group_m", [1, 2, 3, 8])

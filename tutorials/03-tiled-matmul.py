@@ -212,13 +212,17 @@ def check_operands(a, b):
         raise ValueError(f"matmul needs non-empty matrices, got a {M} x {K} and b {K_b} x {N}")
     if max(M, N, K) >= MAX_DIM:
         raise ValueError(f"every dimension must be below 2**30 (indices are int32), got M={M}, N={N}, K={K}")
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        # A Triton kernel's output carries no graph: a loss built on it would silently never reach a or b.
+        raise TypeError("this matmul is forward-only (it has no backward): pass tensors that do not require grad "
+                        "(a.detach()), or call it under torch.no_grad()")
 
 
 def matmul(a, b, group_m=GROUP_M):
     """a @ b for 2-D float16 or bfloat16 matrices with any strides, as a new contiguous matrix of their dtype."""
     check_operands(a, b)
-    if not isinstance(group_m, int) or group_m < 1:
-        raise ValueError(f"group_m must be a positive int, got {group_m!r}")
+    if isinstance(group_m, bool) or not isinstance(group_m, int) or not 1 <= group_m < MAX_DIM:
+        raise ValueError(f"group_m must be a positive int below 2**30, got {group_m!r}")
     a, b = a.resolve_neg(), b.resolve_neg()
     (M, K), N = a.shape, b.shape[1]
     c = torch.empty((M, N), dtype=a.dtype, device=a.device)
