@@ -48,12 +48,13 @@ def reference(q, k, v, causal, sm_scale):
         return scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale)
 
 
-def check(attention, q, k, v, causal, rng, sm_scale=None):
+def check(attention, q, k, v, causal, rng, sm_scale=None, passed_as=lambda do: do):
+    """Output and gradients against float64; passed_as(dO) is the tensor handed to backward, of dO's values."""
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     q, k, v = (t.detach().to(DEVICE).requires_grad_() for t in (q, k, v))
     out = attention(q, k, v, causal, sm_scale)
     do = torch.randn(out.shape, generator=rng).to(DEVICE, out.dtype)  # random dO: dO = 1 or dO = O hide bugs
-    out.backward(do)
+    out.backward(passed_as(do))
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = reference(q64, k64, v64, causal, float(sm_scale))
     ref.backward(do.double())
@@ -483,6 +484,49 @@ def test_negated_views_are_read_as_their_values(version, rng):
     """torch._neg_view flips a flag, not the memory: a kernel reading memory must see the negated values."""
     q, k, v = (randn((1, 2, 50, 32), torch.float16, rng) for _ in range(3))
     check(VERSIONS[version], torch._neg_view(q), k, torch._neg_view(v), True, rng)
+
+
+# Every public attention: off Hopper, lessons 06 and 07 run their own autograd functions over lesson 05's kernels.
+ENTRIES = {**VERSIONS, "hopper-forward": HOPPER_FWD.attention, "hopper": HOPPER.attention}
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_negated_view_of_the_output_gradient_is_read_as_its_values(entry, rng):
+    """dO reaches the backward from the caller, past check_inputs: its negative bit must be resolved too
+    (it used to flip the sign of every gradient)."""
+    q, k, v = (randn((1, 2, 37, 32), torch.float16, rng) for _ in range(3))
+    check(ENTRIES[entry], q, k, v, True, rng, passed_as=lambda do: torch._neg_view(-do))
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_an_output_gradient_whose_head_passes_2_31_elements(entry, rng):
+    """A dO with rows 2**30 + 64 elements apart (a 4 GiB allocation, mostly never touched) is copied before
+    the kernels read it with 32-bit offsets (it used to crash the process)."""
+    def spread(do):
+        storage = torch.empty(2 * (2**30 + 64) + 32, dtype=do.dtype, device=do.device)
+        return storage.as_strided(do.shape, (0, 0, 2**30 + 64, 1)).copy_(do)
+
+    q, k, v = (randn((1, 1, 3, 32), torch.float16, rng) for _ in range(3))
+    check(ENTRIES[entry], q, k, v, False, rng, passed_as=spread)
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_second_derivative_is_refused(entry, rng):
+    """The backward builds no graph: differentiating it again must raise, not silently treat the first
+    derivative as a constant (a gradient penalty would vanish)."""
+    q, k, v = (randn((1, 2, 37, 32), torch.float16, rng).requires_grad_() for _ in range(3))
+    out = ENTRIES[entry](q, k, v, False, 0.177)
+    (dq,) = torch.autograd.grad(out.float().pow(2).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="twice"):
+        dq.float().pow(2).sum().backward()
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("sm_scale", [1e39, -1e39, 10**400], ids=["1e39", "-1e39", "10**400"])
+def test_sm_scale_past_fp32_is_refused(version, sm_scale):
+    """The kernels scale in fp32, where 1e39 is infinite (it used to give NaN, or an OverflowError)."""
+    with pytest.raises(ValueError, match="sm_scale"):
+        VERSIONS[version](*good(), False, sm_scale)
 
 
 def test_a_head_spanning_more_than_2_31_elements_is_refused():

@@ -274,7 +274,11 @@ def attn_bwd_v1_kernel(
 # ``attention(q, k, v, causal, sm_scale)`` takes tensors of shape (batch, heads, sequence, head
 # dim) with any strides, checks them, and returns a tensor that PyTorch can differentiate. The
 # checks are written once, here, for every attention lesson of the site: the later lessons call
-# this ``check_inputs``.
+# this ``check_inputs``. The backward receives one more tensor, :math:`dO`, straight from the
+# caller's ``loss.backward()``, so it gets the same care (``resolved_gradient``): a negative view is
+# resolved and a layout too wide for 32-bit offsets is copied. And the backward is marked
+# ``once_differentiable``, as in the softmax lessons: it builds no graph of its own, so a second
+# derivative (a gradient penalty, say) raises an error instead of silently coming out wrong.
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (16, 32, 64, 128)
@@ -318,25 +322,50 @@ def check_inputs(q, k, v, causal, sm_scale, fp8=False):
     if q.numel() == 0:
         raise ValueError(f"q, k and v must not be empty, got shape {tuple(q.shape)}")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        # The kernels add 64-bit offsets for batch and head, and 32-bit ones inside one head. (Spelled
-        # out rather than summed over a zip: this runs on every call, and the host's time counts.)
-        _, _, n, d = t.shape
-        _, _, row_stride, column_stride = t.stride()
-        span = (n - 1) * abs(row_stride) + (d - 1) * abs(column_stride)
+        span = head_span(t)
         if span >= 2**31:
             raise ValueError(f"{name}'s rows of one head span {span} elements, more than these kernels address "
                              f"with 32-bit offsets (2**31): split the sequence, or make the head's rows contiguous")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
     # Any real number: Python's, or NumPy's scalars (registered as numbers.Real); a bool is a mistake.
-    if (isinstance(sm_scale, bool) or type(sm_scale).__name__ == "bool_" or not isinstance(sm_scale, numbers.Real)
-            or not math.isfinite(sm_scale)):
+    if isinstance(sm_scale, bool) or type(sm_scale).__name__ == "bool_" or not isinstance(sm_scale, numbers.Real):
         raise TypeError(f"sm_scale must be a finite real number, got {sm_scale!r}")
+    try:
+        finite = math.isfinite(sm_scale)
+    except OverflowError:  # a Python int past float's range
+        finite = True
+    if not finite:
+        raise TypeError(f"sm_scale must be a finite real number, got {sm_scale!r}")
+    # The kernels take sm_scale * log2(e) as an fp32 number: past fp32's range it would become infinite.
+    if not abs(sm_scale) <= MAX_SM_SCALE:
+        raise ValueError(f"sm_scale must be at most {MAX_SM_SCALE:.3g} in magnitude (the kernels scale the scores "
+                         f"in fp32), got {sm_scale!r}")
+
+
+MAX_SM_SCALE = torch.finfo(torch.float32).max / math.log2(math.e)
+
+
+def head_span(t):
+    """How many elements apart the first and last element of one head of a (B, H, N, D) tensor lie.
+
+    The kernels add 64-bit offsets for batch and head, and 32-bit ones inside one head."""
+    _, _, n, d = t.shape
+    _, _, row_stride, column_stride = t.stride()
+    return (n - 1) * abs(row_stride) + (d - 1) * abs(column_stride)
 
 
 def resolved(*tensors):
     """The tensors with any lazy negation or conjugation applied: a kernel reads memory, not those flags."""
     return tuple(t.resolve_neg().resolve_conj() for t in tensors)
+
+
+def resolved_gradient(do):
+    """dO as the backward kernels can read it: autograd hands the backward whatever the caller passed,
+    which check_inputs never saw, so a negative view is resolved and a head too wide for 32-bit offsets
+    is copied to a contiguous layout."""
+    do = do.resolve_neg()
+    return do.contiguous() if head_span(do) >= 2**31 else do
 
 
 BLOCK = 64
@@ -358,8 +387,10 @@ class _AttentionV1(torch.autograd.Function):
         return o
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, do):
         q, k, v, o, l, m = ctx.saved_tensors
+        do = resolved_gradient(do)
         B, H, N, D = q.shape
         do_scaled = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
         delta = torch.empty_like(l)

@@ -72,8 +72,8 @@ def load_sibling(stem):
 
 V1 = load_sibling("04-fused-attention-v1")
 # Lesson 04's input checks, float64 check and benchmark harness, under their own names here.
-check_inputs, resolved, reference_attention, check_against_float64 = (
-    V1.check_inputs, V1.resolved, V1.reference_attention, V1.check_against_float64)
+check_inputs, resolved, resolved_gradient, reference_attention, check_against_float64 = (
+    V1.check_inputs, V1.resolved, V1.resolved_gradient, V1.reference_attention, V1.check_against_float64)
 describe_platform, bench_ms, matmul_tflops, save_results = (
     V1.describe_platform, V1.bench_ms, V1.matmul_tflops, V1.save_results)
 sdpa_providers, backward_ms, run_benchmark, plot_mode = (
@@ -816,8 +816,10 @@ class _AttentionV2(torch.autograd.Function):
         return o
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
+        do = resolved_gradient(do)
         return *backward(q, k, v, o, do, lse, ctx.causal, ctx.sm_scale, ctx.atomic_dq), None, None, None
 
 

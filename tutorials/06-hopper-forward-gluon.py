@@ -465,8 +465,10 @@ class _AttentionHopperForward(torch.autograd.Function):
         return o
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
+        do = V2.resolved_gradient(do)
         return *V2.backward(q, k, v, o, do, lse, ctx.causal, ctx.sm_scale, False), None, None, None
 
 

@@ -456,8 +456,10 @@ class _AttentionHopper(torch.autograd.Function):
         return o
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
+        do = V2.resolved_gradient(do)
         if ctx.path == "gluon":
             grads = _ws_backward(q, k, v, do, lse, V2.backward_delta(o, do), ctx.causal, ctx.sm_scale)
         else:
