@@ -45,10 +45,13 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
 
 def load_sibling(stem):
-    """Another lesson of this site, imported once from the file next to this one (the site's zip of
-    all lessons has them side by side); ImportError, saying what to download, when it is not there."""
-    import importlib.util
+    """Another lesson of this site, imported once from the file next to this one: its script, or else its
+    notebook (the site's two zips of all lessons hold one or the other side by side); ImportError, saying
+    what to download, when neither is there."""
+    import json
+    import linecache
     import sys
+    import types
     from pathlib import Path
 
     name = "lesson_" + stem.replace("-", "_")
@@ -56,14 +59,22 @@ def load_sibling(stem):
         return sys.modules[name]
     here = Path(__file__).parent if "__file__" in globals() else Path.cwd()
     path = here / f"{stem}.py"
-    if not path.exists():
-        raise ImportError(f"this lesson needs {stem}.py in the same folder: download all lessons as a zip from "
-                          "the site")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
+    if path.exists():
+        source = path.read_text(encoding="utf-8")
+    elif path.with_suffix(".ipynb").exists():
+        path = path.with_suffix(".ipynb")
+        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+        source = "\n".join("".join(cell["source"]) for cell in cells if cell["cell_type"] == "code")
+        # Triton reads a kernel's source back through linecache: give it the code, not the notebook's JSON.
+        linecache.cache[str(path)] = (len(source), None, source.splitlines(keepends=True), str(path))
+    else:
+        raise ImportError(f"this lesson needs {stem}.py or {stem}.ipynb in the same folder: download all lessons "
+                          "as a zip from the site")
+    module = types.ModuleType(name)  # not __main__: the lesson defines its kernels and runs nothing heavy
+    module.__file__ = str(path)
     sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
+        exec(compile(source, str(path), "exec"), module.__dict__)
     except BaseException:
         del sys.modules[name]  # a half-run lesson must not be found by the next import
         raise
