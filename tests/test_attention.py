@@ -415,20 +415,25 @@ def test_exercise_padded_attention():
         V2.check_padded_attention(lambda q, k, v, lengths, sm_scale: V2.attention(q, k, v, False, sm_scale))
 
 
-def test_exercise_loader_wait():
-    HOPPER_FWD.check_loader_wait(lambda j, stages: (j % stages, ((j // stages) & 1) ^ 1))
-    with pytest.raises(AssertionError, match="parity"):  # waits for the consumer's parity, not the loader's
-        HOPPER_FWD.check_loader_wait(lambda j, stages: (j % stages, (j // stages) & 1))
+def test_exercise_persistent_slot():
+    HOPPER_FWD.check_persistent_slot(lambda blocks, tile, j, stages: HOPPER_FWD.ring_slot(sum(blocks[:tile]) + j,
+                                                                                          stages))
+    with pytest.raises(AssertionError, match="parity|buffer"):  # starts the ring over at every tile
+        HOPPER_FWD.check_persistent_slot(lambda blocks, tile, j, stages: HOPPER_FWD.ring_slot(j, stages))
+    with pytest.raises(AssertionError, match="'empty' barrier"):  # waits for the consumer's parity on "empty"
+        HOPPER_FWD.check_persistent_slot(lambda blocks, tile, j, stages: (
+            lambda slot: (slot[0], slot[1], slot[1]))(HOPPER_FWD.ring_slot(sum(blocks[:tile]) + j, stages)))
 
 
-def test_exercise_tma_ok():
+def test_exercise_tma_ready():
     def right(t):
-        return (t.stride(-1) == 1 and all(s > 0 and s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
-                and t.data_ptr() % 16 == 0)
+        return t if HOPPER_FWD.tma_loadable(t) else torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
 
-    HOPPER_FWD.check_tma_ok(right)
-    with pytest.raises(AssertionError, match="cannot"):  # forgets alignment and stride 0
-        HOPPER_FWD.check_tma_ok(lambda t: t.stride(-1) == 1)
+    HOPPER_FWD.check_tma_ready(right)
+    with pytest.raises(AssertionError, match="starting one element in: TMA cannot load"):
+        HOPPER_FWD.check_tma_ready(lambda t: t if HOPPER_FWD.tma_loadable(t) else t.contiguous())
+    with pytest.raises(AssertionError, match="the copy costs"):
+        HOPPER_FWD.check_tma_ready(lambda t: torch.empty(t.shape, dtype=t.dtype).copy_(t))
 
 
 def test_exercise_query_block_range():
@@ -508,6 +513,16 @@ def test_an_output_gradient_whose_head_passes_2_31_elements(entry, rng):
 
     q, k, v = (randn((1, 1, 3, 32), torch.float16, rng) for _ in range(3))
     check(ENTRIES[entry], q, k, v, False, rng, passed_as=spread)
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_an_output_gradient_that_starts_off_16_bytes(entry, rng):
+    """A contiguous dO one element into its allocation: TMA cannot load it, and contiguous() leaves it as it is."""
+    def shifted(do):
+        return torch.empty(do.numel() + 1, dtype=do.dtype, device=do.device)[1:].view(do.shape).copy_(do)
+
+    q, k, v = (randn((1, 2, 128, 64), torch.float16, rng) for _ in range(3))
+    check(ENTRIES[entry], q, k, v, True, rng, passed_as=shifted)
 
 
 @pytest.mark.parametrize("entry", ENTRIES)

@@ -790,48 +790,66 @@ elif __name__ == "__main__":
 # %%
 # Exercises
 # ---------
-# 1. **The loader's side of the ring.** The loader waits on "empty" before it refills a buffer.
-#    Write ``loader_wait(j, stages)`` returning ``(buffer, parity)`` that the loader waits for
-#    before loading block ``j``, without looking at ``ring_slot``. Then
-#    ``check_loader_wait(loader_wait)`` runs your answer against a simulated barrier that starts
-#    fresh, completes one phase per use, and lets a wait pass only once the previous use of the
-#    buffer has been consumed.
-# 2. **What TMA can load.** Write ``tma_ok(t)``: whether a TMA descriptor can describe the 4-D
-#    tensor ``t`` as it is (last dimension contiguous, other strides positive multiples of 16
-#    bytes, data 16-byte aligned). Then ``check_tma_ok(tma_ok)`` tries it on contiguous,
-#    transposed, sliced, strided and broadcast tensors.
+# 1. **A ring that outlives a tile.** A *persistent* kernel, the design cuDNN and
+#    FlashAttention-3 use, keeps one program per SM alive and hands it one query tile after another.
+#    Its ring of buffers and their barriers do not start over with each tile: every barrier's phase
+#    is wherever the previous tile left it. Write ``persistent_slot(blocks, tile, j, stages)``,
+#    returning ``ring_slot``'s three values for key block ``j`` of the ``tile``-th tile that the
+#    program handles, where ``blocks[t]`` is how many key blocks tile ``t`` loads (with causal
+#    masking, tiles differ). Then ``check_persistent_slot(persistent_slot)`` runs your answer
+#    against simulated barriers over tiles of uneven lengths. The tempting answer, counting ``j``
+#    from zero in each tile, waits for the wrong parity there: on a GPU, a hang or a read of a
+#    buffer that is still being filled.
+# 2. **Making a tensor loadable.** Write ``tma_ready(t)``: a tensor with the values of the 4-D
+#    tensor ``t`` that TMA can load (``tma_loadable`` above says what that takes), the same
+#    tensor where it already is, a copy only where it is not. Then
+#    ``check_tma_ready(tma_ready)`` tries it on contiguous, transposed, sliced, broadcast and
+#    misaligned tensors. Watch out: ``t.contiguous()`` returns ``t`` itself whenever ``t`` is
+#    already contiguous, even where its data starts off a 16-byte boundary.
 
 
-def check_loader_wait(fn):
-    """Your loader_wait against a simulated ring of mbarriers, for 1 to 4 stages and 12 blocks."""
+def check_persistent_slot(fn):
+    """Your persistent_slot against simulated "full" and "empty" barriers, for 1 to 4 stages."""
+    blocks = [3, 5, 2, 7, 1, 4]  # key blocks per tile, uneven as under causal masking
     for stages in range(1, 5):
-        completed = [1] * stages  # parity of the last completed phase: a fresh barrier shows 1
-        for j in range(12):
-            buffer, parity = fn(j, stages)
-            if buffer != j % stages:
-                raise AssertionError(f"block {j} with {stages} stages goes to buffer {j % stages}, not {buffer}")
-            if parity != completed[buffer]:
-                raise AssertionError(f"block {j} with {stages} stages: buffer {buffer}'s 'empty' barrier last "
-                                     f"completed parity {completed[buffer]}; waiting for {parity} would "
-                                     f"{'hang' if parity != completed[buffer] else 'pass'} at the wrong time")
-            completed[buffer] ^= 1  # the consumers release the buffer once the block is used
-    print("loader_wait waits for the right parity at every block, for 1 to 4 stages.")
+        full, empty = [1] * stages, [1] * stages  # parity of each barrier's last completed phase
+        for tile, count in enumerate(blocks):
+            for j in range(count):
+                use = sum(blocks[:tile]) + j  # this block's place in the program's whole stream of loads
+                buffer, full_parity, empty_parity = fn(blocks, tile, j, stages)
+                where = f"tile {tile}, block {j}, {stages} stages"
+                if buffer != use % stages:
+                    raise AssertionError(f"{where}: the block goes to buffer {use % stages}, not {buffer}")
+                if empty_parity != empty[buffer]:
+                    raise AssertionError(f"{where}: the loader waits for parity {empty_parity} on buffer {buffer}'s "
+                                         f"'empty' barrier, whose last completed phase has parity {empty[buffer]}")
+                full[buffer] ^= 1  # the load lands
+                if full_parity != full[buffer]:
+                    raise AssertionError(f"{where}: the consumer waits for parity {full_parity} on buffer {buffer}'s "
+                                         f"'full' barrier, whose last completed phase has parity {full[buffer]}")
+                empty[buffer] ^= 1  # the consumers release the buffer
+    print("persistent_slot waits for the right parities at every block of every tile, for 1 to 4 stages.")
 
 
-def check_tma_ok(fn):
-    """Your tma_ok against the rules, on tensors that TMA can and cannot load."""
+def check_tma_ready(fn):
+    """Your tma_ready on tensors that TMA can and cannot load as they are."""
     base = torch.randn(2, 3, 40, 64, dtype=torch.float16)
     cases = {
-        "contiguous": (base, True),
-        "(B, N, H, D) viewed as (B, H, N, D)": (torch.randn(2, 40, 3, 64, dtype=torch.float16).transpose(1, 2), True),
-        "every other column": (torch.randn(2, 3, 40, 128, dtype=torch.float16)[..., ::2], False),
-        "keys along the last axis": (base.transpose(2, 3), False),
-        "one head broadcast with expand": (torch.randn(2, 1, 40, 64, dtype=torch.float16).expand(2, 3, 40, 64), False),
-        "starting one element in": (torch.randn(2 * 3 * 40 * 64 + 1, dtype=torch.float16)[1:].view(2, 3, 40, 64),
-                                    False),
-        "head dim 4, rows of 8 bytes": (torch.randn(2, 3, 40, 4, dtype=torch.float16), False),
+        "contiguous": base,
+        "(B, N, H, D) viewed as (B, H, N, D)": torch.randn(2, 40, 3, 64, dtype=torch.float16).transpose(1, 2),
+        "every other column": torch.randn(2, 3, 40, 128, dtype=torch.float16)[..., ::2],
+        "keys along the last axis": base.transpose(2, 3),
+        "one head broadcast with expand": torch.randn(2, 1, 40, 64, dtype=torch.float16).expand(2, 3, 40, 64),
+        "contiguous, starting one element in": torch.randn(2 * 3 * 40 * 64 + 1, dtype=torch.float16)[1:].view(
+            2, 3, 40, 64),
     }
-    for name, (t, want) in cases.items():
-        if bool(fn(t)) != want:
-            raise AssertionError(f"{name} (strides {t.stride()}): TMA {'can' if want else 'cannot'} load it")
-    print(f"tma_ok is right on all {len(cases)} tensors.")
+    for name, t in cases.items():
+        ready = fn(t)
+        if not isinstance(ready, torch.Tensor) or ready.shape != t.shape or not torch.equal(ready, t):
+            raise AssertionError(f"{name}: tma_ready must return a tensor with t's shape and values")
+        if not tma_loadable(ready):
+            raise AssertionError(f"{name}: TMA cannot load the result (strides {ready.stride()}, data "
+                                 f"{ready.data_ptr() % 16} bytes past a 16-byte boundary)")
+        if tma_loadable(t) and ready.data_ptr() != t.data_ptr():
+            raise AssertionError(f"{name}: TMA could load t as it was; the copy costs a pass over memory")
+    print(f"tma_ready is right on all {len(cases)} tensors.")

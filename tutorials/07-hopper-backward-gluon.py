@@ -381,7 +381,9 @@ def _ws_backward(q, k, v, do, lse, delta, causal, sm_scale):
     """dQ, dK, dV from the warp-specialized kernel; dQ is summed in fp32 by TMA reductions."""
     B, H, N, D = q.shape
     if not FWD.tma_loadable(do):
-        do = do.contiguous()
+        # A fresh allocation: do.contiguous() returns do itself when it is contiguous but starts off a
+        # 16-byte boundary, which TMA cannot load (lesson 06's exercise "Making a tensor loadable").
+        do = torch.empty(do.shape, dtype=do.dtype, device=do.device).copy_(do)
     dq = torch.zeros((B, H, N, D), dtype=torch.float32, device=q.device)
     dk = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
