@@ -251,7 +251,8 @@ def softmax_kernel(
 #   registers, the same rule as for one row per program.
 # * ``NUM_STAGES = 1``: no software pipelining across tiles. Pipelining keeps the next tile in
 #   shared memory while the current one is computed on; with this many small programs per SM, the
-#   programs already overlap each other's loads, and on an H100 a second stage was no faster.
+#   programs already overlap each other's loads, and in the sweep described below, on an H100, a
+#   second stage was no faster.
 # * the grid: *occupancy* is how many programs an SM can host at once, limited by its registers,
 #   its shared memory and its thread slots. We compile the kernel first, read how many registers
 #   and how much shared memory it uses, compute the occupancy, and launch exactly as many programs
@@ -260,8 +261,8 @@ def softmax_kernel(
 # These choices were not guessed: ``tools/tune.py softmax`` in this site's repository sweeps tile
 # heights, warps, stages and grid styles on a GPU, and the rules above follow its winners. Earlier
 # versions of this lesson sized tiles in bytes (16 KiB, then 8 KiB); for bf16 that halves the
-# warps in flight for short rows, and a full build measured bf16 rows of 256 and 1,024 elements
-# at half the speed of the element-based rule.
+# warps in flight for short rows, and an H100 build of this site (Triton 3.6, November 2026)
+# measured bf16 rows of 256 and 1,024 elements at half the speed of the element-based rule.
 
 
 def _tile_shape(N):
@@ -324,16 +325,16 @@ if __name__ == "__main__":
 #
 # .. math::
 #
-#    \frac{\partial y_i}{\partial x_j} = y_i \delta_{ij} - y_i y_j,
-#    \qquad J = \operatorname{diag}(y) - y\,y^\top .
+#    \frac{\partial y_i}{\partial x_j} &= y_i \delta_{ij} - y_i y_j, \\
+#    J &= \operatorname{diag}(y) - y\,y^\top .
 #
 # :math:`J` is symmetric, so the chain rule :math:`dx = J^\top dy` reads
 #
 # .. math::
 #
-#    dx_i = \sum_j \left(y_i \delta_{ij} - y_i y_j\right) dy_j
-#         = y_i \Big(dy_i - \sum_j dy_j\, y_j\Big),
-#    \qquad dx = y \circ \big(dy - \operatorname{rowsum}(dy \circ y)\big).
+#    dx_i &= \sum_j \left(y_i \delta_{ij} - y_i y_j\right) dy_j \\
+#         &= y_i \Big(dy_i - \sum_j dy_j\, y_j\Big), \\
+#    dx &= y \circ \big(dy - \operatorname{rowsum}(dy \circ y)\big).
 #
 # The :math:`N \times N` Jacobian is never formed: each row needs one dot product and one
 # element-wise update. The backward needs the *output* :math:`y`, not the input, so the forward
@@ -437,7 +438,8 @@ if __name__ == "__main__":
 # %%
 # Benchmark
 # ---------
-# Each provider runs at :math:`M = 4096` rows and a range of row lengths. Speed is given as
+# On a GPU each provider runs at :math:`M = 4096` rows and a range of row lengths (under the
+# interpreter, at the few small sizes of the table below). Speed is given as
 # effective bandwidth, :math:`2MN \times` the element size over the time: the bytes a perfect fused
 # kernel must move. Two copies give the scale, both measured in the same run:
 #
@@ -461,7 +463,6 @@ if __name__ == "__main__":
 
 import functools  # noqa: E402
 import platform  # noqa: E402
-import statistics  # noqa: E402
 import time  # noqa: E402
 
 
@@ -489,7 +490,9 @@ def warm_up(fn):
 
 
 def bench_ms(fn):
-    """Median time of fn() in milliseconds: do_bench on a GPU, wall clock under the interpreter."""
+    """Time of fn() in milliseconds: do_bench's median on a GPU; under the interpreter the fastest of three
+    wall-clock runs, since on a shared CPU other processes only ever add time (a test run building the
+    site beside its test processes once slowed one copy 30-fold)."""
     if ON_GPU:
         warm_up(fn)
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
@@ -499,7 +502,7 @@ def bench_ms(fn):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return 1e3 * min(times)
 
 # A timing can also catch the host: a launch held up on the CPU (by another process, say) leaves the
 # GPU idle, and the clock counts it. So on a GPU every provider is timed ROUNDS times, the rounds in

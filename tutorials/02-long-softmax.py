@@ -170,7 +170,8 @@ def three_pass_kernel(x_ptr, y_ptr, N, x_row_stride, x_col_stride, y_row_stride,
 #
 # .. math::
 #
-#    m_j = \max_{i \le j} x_i, \qquad d_j = \sum_{i \le j} e^{x_i - m_j}.
+#    m_j &= \max_{i \le j} x_i, \\
+#    d_j &= \sum_{i \le j} e^{x_i - m_j}.
 #
 # Reading :math:`x_{j+1}`, the new maximum is :math:`m_{j+1} = \max(m_j, x_{j+1})`. Every term of
 # :math:`d_j` was computed relative to the old maximum; multiplying by :math:`e^{m_j - m_{j+1}}`
@@ -178,8 +179,8 @@ def three_pass_kernel(x_ptr, y_ptr, N, x_row_stride, x_col_stride, y_row_stride,
 #
 # .. math::
 #
-#    d_{j+1} = \sum_{i \le j+1} e^{x_i - m_{j+1}}
-#            = d_j \, e^{m_j - m_{j+1}} + e^{x_{j+1} - m_{j+1}}.
+#    d_{j+1} &= \sum_{i \le j+1} e^{x_i - m_{j+1}} \\
+#            &= d_j \, e^{m_j - m_{j+1}} + e^{x_{j+1} - m_{j+1}}.
 #
 # After the last element, :math:`m_N` and :math:`d_N` are the true maximum and sum, and one more
 # pass writes the output: :math:`2MN` read, :math:`MN` written. The rescaling factor is at most 1,
@@ -193,8 +194,9 @@ def three_pass_kernel(x_ptr, y_ptr, N, x_row_stride, x_col_stride, y_row_stride,
 #
 # .. math::
 #
-#    (m_a, d_a) \oplus (m_b, d_b) = \left(m,\; d_a e^{m_a - m} + d_b e^{m_b - m}\right),
-#    \qquad m = \max(m_a, m_b).
+#    &(m_a, d_a) \oplus (m_b, d_b) = (m,\; d), \quad \text{where} \\
+#    &m = \max(m_a, m_b), \\
+#    &d = d_a e^{m_a - m} + d_b e^{m_b - m}.
 #
 # This is **the combine step**. It is exact and associative, so parts can be merged in any order
 # and grouping: one element at a time (the update above), lane by lane at the end of a loop, or
@@ -588,12 +590,12 @@ if __name__ == "__main__":
 # %%
 # Benchmark
 # ---------
-# :math:`M = 4096` rows of 16K to 256K elements, in GB/s (:math:`2MN \times` element size over
+# On a GPU, :math:`M = 4096` rows of 16K to 256K elements (under the interpreter, a few small
+# rows), in GB/s (:math:`2MN \times` element size over
 # time), beside ``torch.softmax``, ``torch.compile`` (GPU only) and the copy bandwidth measured in
 # this run. The row-on-chip kernel appears only where rows fit its limit.
 
 import platform  # noqa: E402
-import statistics  # noqa: E402
 import time  # noqa: E402
 
 
@@ -621,7 +623,9 @@ def warm_up(fn):
 
 
 def bench_ms(fn):
-    """Median time of fn() in milliseconds: do_bench on a GPU, wall clock under the interpreter."""
+    """Time of fn() in milliseconds: do_bench's median on a GPU; under the interpreter the fastest of three
+    wall-clock runs, since on a shared CPU other processes only ever add time (a test run building the
+    site beside its test processes once slowed one copy 30-fold)."""
     if ON_GPU:
         warm_up(fn)
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
@@ -631,7 +635,7 @@ def bench_ms(fn):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return 1e3 * min(times)
 
 # A timing can also catch the host: a launch held up on the CPU (by another process, say) leaves the
 # GPU idle, and the clock counts it. So on a GPU every provider is timed ROUNDS times, the rounds in
@@ -767,15 +771,16 @@ if __name__ == "__main__":
     plt.show()
 
 # %%
-# What keeps bf16 rows further from the copy
-# ------------------------------------------
-# Both dtypes give each split-row program 32 KiB of the row, yet in bf16 that is twice as many
-# elements, and the kernel holds each one as an fp32 value in registers until it has the row's
-# statistics. More registers per thread mean fewer programs per SM, and while a program waits for
-# the rest of its row, only the other programs on its SM keep loads in flight. This cell asks the
-# compiler, for each dtype at the longest row of the benchmark: registers per thread, programs of
-# the kernel that fit on one SM, and so how much of the row each SM can be loading at once, next to
-# the speed measured above.
+# Registers and bytes in flight, by dtype
+# ---------------------------------------
+# Where bf16 runs further from the copy than fp32 in the table above (as it has in this site's
+# H100 builds), here is a place to look. Both dtypes give each split-row program 32 KiB of the
+# row, yet in bf16 that is twice as many elements, and the kernel holds each one as an fp32 value
+# in registers until it has the row's statistics. More registers per thread mean fewer programs
+# per SM, and while a program waits for the rest of its row, only the other programs on its SM
+# keep loads in flight. This cell asks the compiler, for each dtype at the longest row of the
+# benchmark: registers per thread, programs of the kernel that fit on one SM, and so how much of
+# the row each SM can be loading at once, next to the speed measured above.
 
 if __name__ == "__main__" and ON_GPU:
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count

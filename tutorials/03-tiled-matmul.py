@@ -55,12 +55,14 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 #
 # .. math::
 #
-#    I = \frac{2 B_M B_N}{(B_M + B_N)\, s} \ \text{FLOP per byte}, \qquad s = \text{bytes per element},
+#    I = \frac{2 B_M B_N}{(B_M + B_N)\, s} \ \text{FLOP per byte},
 #
-# set by the tile alone, whatever the size of the matrices. The roofline model calls a kernel
-# compute-bound when its intensity passes the *ridge point*, the peak FLOP rate over the memory
-# bandwidth. For an H100 SXM, NVIDIA's datasheet gives 989 TFLOP/s of dense fp16 tensor-core math,
-# 3.35 TB/s of HBM3 bandwidth, a 50 MB L2 cache and 132 SMs.
+# where :math:`s` is the number of bytes per element: set by the tile alone, whatever the size of
+# the matrices. The roofline model calls a kernel compute-bound when its intensity passes the
+# *ridge point*, the peak FLOP rate over the memory bandwidth. For an H100 SXM, NVIDIA's
+# datasheet gives 989 TFLOP/s of dense fp16 tensor-core math, 3.35 TB/s of bandwidth to its HBM3
+# (*high-bandwidth memory*, the GPU's main memory, stacked beside the chip), a 50 MB L2 cache and
+# 132 SMs.
 
 H100_DATASHEET = dict(fp16_tflops=989.4, hbm_tbs=3.35, sms=132)  # NVIDIA H100 SXM datasheet figures
 
@@ -324,7 +326,6 @@ if __name__ == "__main__":
 # product (256 x 256 fp32 on a CPU), measured in this run by the helper the attention lessons use.
 
 import platform  # noqa: E402
-import statistics  # noqa: E402
 import time  # noqa: E402
 
 
@@ -352,7 +353,9 @@ def warm_up(fn):
 
 
 def bench_ms(fn):
-    """Median time of fn() in milliseconds: do_bench on a GPU, wall clock under the interpreter."""
+    """Time of fn() in milliseconds: do_bench's median on a GPU; under the interpreter the fastest of three
+    wall-clock runs, since on a shared CPU other processes only ever add time (a test run building the
+    site beside its test processes once slowed one copy 30-fold)."""
     if ON_GPU:
         warm_up(fn)
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
@@ -362,7 +365,7 @@ def bench_ms(fn):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return 1e3 * min(times)
 
 
 def matmul_tflops():
@@ -404,10 +407,17 @@ def run_benchmark(sizes):
     return rows, tiles
 
 
+# %%
+# What produced the numbers below (the plots come from the same run):
+
+if __name__ == "__main__":
+    print(describe_platform())
+
+# %%
+
 if __name__ == "__main__":
     import matplotlib.pyplot as plt
 
-    print(describe_platform())
     sizes = [1024, 2048, 4096, 8192] if ON_GPU else [64, 128, 256]
     peak = matmul_tflops()
     print(f"ceiling ({CEILING_NAME}), measured now: {peak:.3g} TFLOP/s")
@@ -426,7 +436,8 @@ if __name__ == "__main__":
         ax.set_ylim(0, None)
     else:
         ax.set_yscale("log")  # the interpreter runs thousands of times below the CPU's own matmul
-    ax.legend(fontsize=9)
+    # Below the axes: inside, the legend would hide the ceiling line or the curves near it.
+    ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
     fig.tight_layout()
     plt.show()
     shown = table.rename(columns=lambda name: f"{name} (TFLOP/s)")

@@ -57,9 +57,10 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 #
 # .. math::
 #
-#    m' = \max(m, s_j), \quad
-#    \ell' = \ell\, e^{m - m'} + e^{s_j - m'}, \quad
-#    a' = a\, e^{m - m'} + e^{s_j - m'}\, v_j, \qquad o = a / \ell.
+#    m' &= \max(m, s_j), \\
+#    \ell' &= \ell\, e^{m - m'} + e^{s_j - m'}, \\
+#    a' &= a\, e^{m - m'} + e^{s_j - m'}\, v_j, \\
+#    o &= a / \ell \quad \text{(after the last key).}
 #
 # In plain Python, to see it work before any kernel:
 
@@ -462,15 +463,16 @@ if __name__ == "__main__":
 # %%
 # Benchmark
 # ---------
-# TFLOP/s for the forward and the backward, :math:`B = 4`, :math:`H = 32`, :math:`D = 64`, against
+# TFLOP/s for the forward and the backward, on a GPU at :math:`B = 4`, :math:`H = 32`, :math:`D = 64`
+# (under the interpreter at :math:`B = 1`, :math:`H = 2` and two short sequences), against
 # each backend of PyTorch's ``scaled_dot_product_attention`` that runs here. The forward does
 # :math:`4BHN^2D` floating-point operations (two matrix products of :math:`2BHN^2D` each), half that
 # when causal; the backward does 2.5 times the forward (five matrix products instead of two).
-# The ceiling is the device's fp16 matrix-multiply rate, measured in this run. The code below is
+# The ceiling is the device's fp16 matrix-multiply rate, measured in this run (under the
+# interpreter, PyTorch's fp32 one on the CPU). The code below is
 # the harness that every attention lesson of this site uses.
 
 import platform  # noqa: E402
-import statistics  # noqa: E402
 import time  # noqa: E402
 
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
@@ -501,7 +503,9 @@ def warm_up(fn):
 
 
 def bench_ms(fn):
-    """Median time of fn() in milliseconds: do_bench on a GPU, wall clock under the interpreter."""
+    """Time of fn() in milliseconds: do_bench's median on a GPU; under the interpreter the fastest of three
+    wall-clock runs, since on a shared CPU other processes only ever add time (a test run building the
+    site beside its test processes once slowed one copy 30-fold)."""
     if ON_GPU:
         warm_up(fn)
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
@@ -511,7 +515,11 @@ def bench_ms(fn):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return 1e3 * min(times)
+
+
+# Under the interpreter the ceiling is PyTorch's fp32 matmul on the CPU, which multiplies fp16 slowly.
+CEILING_NAME = "fp16 matmul rate" if ON_GPU else "fp32 matmul rate on the CPU"
 
 
 def matmul_tflops():
@@ -644,7 +652,7 @@ def plot_mode(table, mode, peak, title):
         for name in panel.columns:
             color, marker = STYLE.get(name, ("#17becf", "."))
             ax.plot(panel.index, panel[name], color=color, marker=marker, label=name)
-        ax.axhline(peak, color="black", linestyle="--", zorder=0, label="fp16 matmul rate (ceiling)")
+        ax.axhline(peak, color="black", linestyle="--", zorder=0, label=f"{CEILING_NAME} (ceiling)")
         ax.set_xscale("log", base=2)
         ax.set_xticks(list(panel.index), [str(n) for n in panel.index], fontsize=10)
         ax.minorticks_off()
@@ -689,21 +697,29 @@ def v1_providers(causal, D):
     return providers
 
 
+# %%
+# What produced the numbers below (the plots come from the same run):
+
+if __name__ == "__main__":
+    print(describe_platform())
+
+# %%
+
 if __name__ == "__main__":
     import matplotlib.pyplot as plt
     import pandas as pd
 
-    print(describe_platform())
     if ON_GPU:
         cases, sizes = [(4, 32, 64)], [1024, 2048, 4096, 8192, 16384]
     else:
         cases, sizes = [(1, 2, 64)], [64, 128]
     peak = matmul_tflops()
-    print(f"fp16 matrix-multiply rate, measured now: {peak:.3g} TFLOP/s")
+    print(f"{CEILING_NAME}, measured now: {peak:.3g} TFLOP/s")
     results = pd.DataFrame(run_benchmark(cases, sizes, v1_providers, ("fwd", "bwd")))
     table = results.pivot_table(index=["D", "causal", "mode", "N"], columns="provider", values="value", sort=False)
-    plot_mode(table, "fwd", peak, "Forward pass, D = 64")
-    plot_mode(table, "bwd", peak, "Backward pass, D = 64")
+    (B, H, D), = cases
+    plot_mode(table, "fwd", peak, f"Forward pass, B = {B}, H = {H}, D = {D}")
+    plot_mode(table, "bwd", peak, f"Backward pass, B = {B}, H = {H}, D = {D}")
     plt.show()
 
 # %%
@@ -727,13 +743,13 @@ if __name__ == "__main__":
     else:
         print("These are interpreter timings: they measure NumPy on the CPU, not GPU kernels.")
     save_results("04-fused-attention-v1", [{
-        "name": "attention v1, B=4, H=32, D=64", "unit": "TFLOP/s", "ceiling_name": "fp16 matmul rate",
+        "name": f"attention v1, B={B}, H={H}, D={D}", "unit": "TFLOP/s", "ceiling_name": CEILING_NAME,
         "ceiling": peak, "ours": [OURS], "peers": peers, "rows": results.drop(columns="spread").to_dict("records")}])
 
 # %%
 # Why the backward is slow: how many programs an SM needs
 # -------------------------------------------------------
-# At the benchmark's :math:`B \cdot H = 128` the backward launches 128 programs, nearly one per
+# At the GPU benchmark's :math:`B \cdot H = 128` the backward launches 128 programs, nearly one per
 # SM on a GPU with 132 of them, so it does not leave the GPU idle for lack of programs. What it
 # leaves idle is each SM: one program of 4 warps walks its key blocks one after another, and while
 # it waits for a load or for the tensor cores, no other program on that SM can use them. The

@@ -451,7 +451,9 @@ def tuned_case(q, causal):
 #
 # .. math::
 #
-#    S = \mathrm{scale}\cdot Q K^T, \qquad P = \mathrm{softmax}_{\text{rows}}(S), \qquad O = P V.
+#    S &= \mathrm{scale}\cdot Q K^T, \\
+#    P &= \mathrm{softmax}_{\text{rows}}(S), \\
+#    O &= P V.
 #
 # Given :math:`dO = \partial L / \partial O`, walk back one step at a time.
 #
@@ -466,8 +468,9 @@ def tuned_case(q, causal):
 #
 #   .. math::
 #
-#      \Delta_i = \sum_j P_{ij} \sum_d dO_{id} V_{jd} = \sum_d dO_{id} \sum_j P_{ij} V_{jd}
-#               = \sum_d dO_{id}\, O_{id},
+#      \Delta_i &= \sum_j P_{ij} \sum_d dO_{id} V_{jd} \\
+#               &= \sum_d dO_{id} \sum_j P_{ij} V_{jd} \\
+#               &= \sum_d dO_{id}\, O_{id},
 #
 #   a dot product of two rows that are already in memory. Triton's tutorial computes it in a
 #   small *preprocess* kernel before the main passes. In this lesson's default, two-pass
@@ -881,9 +884,10 @@ if __name__ == "__main__":
 #   :math:`dO` (never on :math:`dO = 1` or :math:`dO = O`, which can hide it).
 # * **Q.shape(3).** ``shape`` is a tuple, not a function: ``Q.shape[3]``. The launcher fails before
 #   any kernel runs; caught by any test that runs the code at all.
-# * **M (the row statistics) allocated on the CPU.** ``torch.empty(...)`` without ``device=``
-#   hands a host pointer to a GPU kernel: a crash or silent garbage. Here every buffer is created
-#   with ``device=q.device``, and the input checks refuse tensors on different devices.
+# * **The row statistics allocated on the CPU** (the upstream tutorial's ``M``, this lesson's
+#   LSE). ``torch.empty(...)`` without ``device=`` hands a host pointer to a GPU kernel: a crash
+#   or silent garbage. Here every buffer is created with ``device=q.device``, and the input checks
+#   refuse tensors on different devices.
 # * **A backward that ignores** ``causal=False``. The published v2 tutorial computed the causal
 #   gradient whatever it was asked; the forward was right, so only a gradient test of the
 #   non-causal case sees it. The tests run both modes.
@@ -896,10 +900,11 @@ if __name__ == "__main__":
 # %%
 # Benchmark
 # ---------
-# TFLOP/s, forward and backward, causal and not, at :math:`D = 64` (:math:`B = 4, H = 32`) and
-# :math:`D = 128` (:math:`B = 4, H = 16`), against PyTorch SDPA's cuDNN and flash backends and the
-# v1 kernel of the previous lesson, with lesson 04's harness. The ceiling is the fp16
-# matrix-multiply rate measured in this run.
+# TFLOP/s, forward and backward, causal and not, on a GPU at :math:`D = 64` (:math:`B = 4, H = 32`)
+# and :math:`D = 128` (:math:`B = 4, H = 16`), under the interpreter at :math:`B = 1` and a head
+# or two of two short sequences; against PyTorch SDPA's cuDNN and flash backends (the math backend
+# under the interpreter) and the v1 kernel of the previous lesson, with lesson 04's harness. The
+# ceiling is the matrix-multiply rate measured in this run.
 
 PEERS = ("SDPA cuDNN", "SDPA flash") if ON_GPU else ("SDPA math",)
 OURS = "Triton v2 (this lesson)"
@@ -921,17 +926,24 @@ def atomic_timer(q, k, v, causal, D):
     return {(ATOMIC, "bwd"): functools.partial(backward_ms, fn, q, k, v)}
 
 
+# %%
+# What produced the numbers below (the plots come from the same run):
+
+if __name__ == "__main__":
+    print(describe_platform())
+
+# %%
+
 if __name__ == "__main__":
     import matplotlib.pyplot as plt
     import pandas as pd
 
-    print(describe_platform())
     if ON_GPU:
         cases, sizes = [(4, 32, 64), (4, 16, 128)], [1024, 2048, 4096, 8192, 16384]
     else:
         cases, sizes = [(1, 2, 64), (1, 1, 128)], [64, 128]
     peak = matmul_tflops()
-    print(f"fp16 matrix-multiply rate, measured now: {peak:.3g} TFLOP/s")
+    print(f"{V1.CEILING_NAME}, measured now: {peak:.3g} TFLOP/s")
     results = pd.DataFrame(run_benchmark(cases, sizes, providers_for, ("fwd", "bwd"), atomic_timer))
     table = results.pivot_table(index=["D", "causal", "mode", "N"], columns="provider", values="value", sort=False)
     plot_mode(table, "fwd", peak, "Forward pass")
@@ -974,7 +986,7 @@ if __name__ == "__main__":
     else:
         print("These are interpreter timings: they measure NumPy on the CPU, not GPU kernels.")
     save_results("05-fused-attention-v2", [{
-        "name": f"attention v2 {mode}", "unit": "TFLOP/s", "ceiling_name": "fp16 matmul rate", "ceiling": peak,
+        "name": f"attention v2 {mode}", "unit": "TFLOP/s", "ceiling_name": V1.CEILING_NAME, "ceiling": peak,
         "ours": [OURS] + ([ATOMIC] if mode == "bwd" else []), "peers": peers,
         "rows": [r for r in results.drop(columns="spread").to_dict("records") if r["mode"] == mode]}
         for mode in ("fwd", "bwd")])

@@ -544,6 +544,14 @@ def default_backward(D, causal, N):
     return {"gluon": WS, "two-pass": PORTABLE, "atomic": ATOMIC}[path]
 
 
+# %%
+# What produced the numbers below (the plots come from the same run):
+
+if __name__ == "__main__":
+    print(V2.describe_platform())
+
+# %%
+
 if __name__ == "__main__":
     results, table, peak, cases, sizes = FWD.hopper_benchmark("bwd", backward_timers, "Backward pass")
 
@@ -565,14 +573,15 @@ if __name__ == "__main__":
         print("These are interpreter timings: they measure NumPy on the CPU, not GPU kernels.")
     defaults = FWD.default_path(results, table, default_backward, peers, "BACKWARD_PATHS")
     V2.save_results("07-hopper-backward-gluon", [{
-        "name": "attention backward, warp-specialized", "unit": "TFLOP/s", "ceiling_name": "fp16 matmul rate",
+        "name": "attention backward, " + ("warp-specialized" if WS in table else "no Gluon kernel ran"),
+        "unit": "TFLOP/s", "ceiling_name": V2.V1.CEILING_NAME,
         "ceiling": peak, "ours": [FWD.DEFAULT] + [c for c in (WS, PORTABLE, ATOMIC) if c in table], "peers": peers,
         "rows": results.drop(columns="spread").to_dict("records") + defaults}])
 
 # %%
 # The host at the smallest size
 # -----------------------------
-# At :math:`N = 1024` the median spread of the timings above is widest, and the reason is lesson 06's: a
+# At the smallest size the host matters most, for the reason of lesson 06: a
 # backward call is a few Python launches (two kernels for the two-pass backward; the preprocess and
 # one kernel for the atomic and Gluon ones) after PyTorch's autograd engine, and the host's time to
 # enqueue them can exceed the GPU's time to run them. The same split as in lesson 06, for each
