@@ -358,12 +358,31 @@ def test_a_provider_whose_two_fastest_timings_disagree_is_timed_again(monkeypatc
 # The exercises' checks: each must accept a correct answer and reject a known wrong one.
 
 
-def test_exercise_one_row_attention(capsys):
-    right = V1.one_row_attention  # the lesson's own scalar algorithm is a correct answer
-    V1.check_one_row_attention(right)
-    assert "right" in capsys.readouterr().out
-    with pytest.raises(AssertionError):
-        V1.check_one_row_attention(lambda q, k, v, scale: right(q, k, v, scale) * 1.001)  # a slightly wrong sum
+def test_exercise_running_attention(capsys):
+    def right(q, k, v, scale):
+        m, l, o, rows = -math.inf, 0.0, torch.zeros_like(v[0]), []
+        for k_j, v_j in zip(k, v):
+            s = float(q @ k_j) * scale
+            m_new = max(m, s)
+            l_new = l * math.exp(m - m_new) + math.exp(s - m_new)
+            o = o * (l * math.exp(m - m_new) / l_new) + v_j * (math.exp(s - m_new) / l_new)
+            m, l = m_new, l_new
+            rows.append(o)
+        return torch.stack(rows)
+
+    V1.check_running_attention(right)  # in float32, the inputs' own dtype
+    assert "right after every key" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="shape"):  # the final output only
+        V1.check_running_attention(V1.one_row_attention)
+
+    def no_max(q, k, v, scale):
+        e = torch.exp(k @ q * scale)
+        return torch.cumsum(e[:, None] * v, 0) / torch.cumsum(e, 0)[:, None]
+
+    with pytest.raises(AssertionError, match="n="):  # e^s overflows on the rows with large scores
+        V1.check_running_attention(no_max)
+    with pytest.raises(AssertionError, match="n="):  # a slightly wrong sum
+        V1.check_running_attention(lambda q, k, v, scale: right(q, k, v, scale) * 1.001)
 
 
 def test_exercise_merge():
@@ -375,6 +394,8 @@ def test_exercise_merge():
     V1.check_merge(right)
     with pytest.raises(AssertionError):  # forgets to rescale to the common maximum
         V1.check_merge(lambda first, second: (max(first[0], second[0]), first[1] + second[1], first[2] + second[2]))
+    with pytest.raises(AssertionError, match="m of the merged state"):  # a/l right, but not a state to merge again
+        V1.check_merge(lambda first, second: (0.0, 1.0, right(first, second)[2] / right(first, second)[1]))
 
 
 def test_exercise_causal_block_mask():
@@ -401,6 +422,8 @@ def test_exercise_one_row_backward():
     with pytest.raises(AssertionError, match="dq"):  # forgets Delta
         V2.check_one_row_backward(lambda q, K, V, do, scale: (
             scale * (torch.softmax(K @ q * scale, 0) * (V @ do)) @ K, *right(q, K, V, do, scale)[1:]))
+    with pytest.raises(AssertionError, match="three gradients"):  # zip would stop at the shorter answer
+        V2.check_one_row_backward(lambda q, K, V, do, scale: right(q, K, V, do, scale)[:1])
 
 
 def test_exercise_padded_attention():
@@ -413,6 +436,26 @@ def test_exercise_padded_attention():
     V2.check_padded_attention(right)
     with pytest.raises(AssertionError, match="key length"):  # ignores the lengths
         V2.check_padded_attention(lambda q, k, v, lengths, sm_scale: V2.attention(q, k, v, False, sm_scale))
+
+    def rewrites_lengths(q, k, v, lengths, sm_scale):
+        lengths.fill_(k.shape[2])  # then ignores them: a check reading lengths afterwards would be fooled
+        return V2.attention(q, k, v, False, sm_scale)
+
+    with pytest.raises(AssertionError, match="key length"):
+        V2.check_padded_attention(rewrites_lengths)
+
+
+def test_exercise_persistent_slot_rejects_an_answer_that_counts_its_calls():
+    calls = []
+
+    def counting(blocks, tile, j, stages):
+        if (tile, j) == (0, 0):  # a fresh count for each stage count: right if asked in order
+            calls.clear()
+        calls.append(None)
+        return HOPPER_FWD.ring_slot(len(calls) - 1, stages)
+
+    with pytest.raises(AssertionError, match="parity|buffer"):
+        HOPPER_FWD.check_persistent_slot(counting)
 
 
 def test_exercise_persistent_slot():
@@ -434,6 +477,8 @@ def test_exercise_tma_ready():
         HOPPER_FWD.check_tma_ready(lambda t: t if HOPPER_FWD.tma_loadable(t) else t.contiguous())
     with pytest.raises(AssertionError, match="the copy costs"):
         HOPPER_FWD.check_tma_ready(lambda t: torch.empty(t.shape, dtype=t.dtype).copy_(t))
+    with pytest.raises(AssertionError, match="dtype, device and values"):  # a copy in another dtype
+        HOPPER_FWD.check_tma_ready(lambda t: t if HOPPER_FWD.tma_loadable(t) else t.float().contiguous())
 
 
 def test_exercise_query_block_range():
@@ -444,6 +489,9 @@ def test_exercise_query_block_range():
     HOPPER.check_query_block_range(right)
     with pytest.raises(AssertionError, match="expected"):  # masks one block too few
         HOPPER.check_query_block_range(lambda sn, bn, bm, n: (sn // bm, sn // bm + bn // bm - 1, -(-n // bm)))
+    with pytest.raises(AssertionError, match="expected"):  # the kernel's formula, right only where bm divides bn
+        HOPPER.check_query_block_range(lambda sn, bn, bm, n: (sn // bm, min(sn // bm + bn // bm, -(-n // bm)),
+                                                              -(-n // bm)))
 
 
 def test_exercise_products():
@@ -523,6 +571,22 @@ def test_an_output_gradient_that_starts_off_16_bytes(entry, rng):
 
     q, k, v = (randn((1, 2, 128, 64), torch.float16, rng) for _ in range(3))
     check(ENTRIES[entry], q, k, v, True, rng, passed_as=shifted)
+
+
+@pytest.mark.parametrize("entry", [e for e in ENTRIES if e != "v1"])
+def test_a_small_output_gradient_over_many_keys(entry, rng):
+    """dO of order 1e-4 under near-uniform attention over 1,024 keys: v1 divides dO by l (about 1,024) into
+    fp16 subnormals and loses dV (lesson 04 shows it); the later kernels never divide dO, so dV keeps its
+    precision. (dQ and dK do not: dS, rounded to fp16 for the tensor cores, is subnormal there too.)"""
+    q = (randn((1, 1, 1024, 64), torch.float16, rng) * 0.01).requires_grad_()
+    k, v = (randn((1, 1, 1024, 64), torch.float16, rng).requires_grad_() for _ in range(2))
+    do = randn((1, 1, 1024, 64), torch.float16, rng) * 1e-4
+    ENTRIES[entry](q, k, v, False, 0.125).backward(do)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    reference(q64, k64, v64, False, 0.125).backward(do.double())
+    # Relative to dV's own largest value: assert_matches's floor of 1 would hide any error at this scale.
+    error = ((v.grad.double() - v64.grad).abs().max() / v64.grad.abs().max()).item()
+    assert torch.isfinite(v.grad).all() and error < TOLERANCE[torch.float16], f"dv: relative error {error:.2e}"
 
 
 @pytest.mark.parametrize("entry", ENTRIES)

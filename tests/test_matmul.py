@@ -202,12 +202,13 @@ def _batched_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sab, sam, sak, sbb, sbk, sbn,
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-def batched(a, b, batch_0_only=False, assume_contiguous=False):
+def batched(a, b, batch_0_only=False, assume_contiguous=False, assume_a_contiguous=False):
     (B, M, K), N = a.shape, b.shape[2]
     c = torch.empty(B, M, N, dtype=torch.float16, device=a.device)
-    b_strides = (K * N, N, 1) if assume_contiguous else b.stride()  # the wrong variant ignores b's layout
+    b_strides = (K * N, N, 1) if assume_contiguous else b.stride()  # the wrong variants ignore a layout
+    a_strides = (M * K, K, 1) if assume_a_contiguous else a.stride()
     _batched_kernel[(triton.cdiv(M, BLOCK), triton.cdiv(N, BLOCK), B)](
-        a, b, c, M, N, K, *a.stride(), *b_strides, BLOCK=BLOCK, BLOCK_K=BLOCK_K, BATCH_0_ONLY=batch_0_only)
+        a, b, c, M, N, K, *a_strides, *b_strides, BLOCK=BLOCK, BLOCK_K=BLOCK_K, BATCH_0_ONLY=batch_0_only)
     return c
 
 
@@ -237,6 +238,8 @@ EXERCISES = {
     "bias_relu": (L.check_bias_relu, bias_relu, {
         "missing bias": lambda a, b, bias: bias_relu(a, b, bias, add_bias=False),
         "off-by-one K mask": lambda a, b, bias: bias_relu(a, b, bias, k_short=True),
+        "one block of 64 along K, no loop": lambda a, b, bias: torch.relu(
+            a[:, :64].float() @ b[:64].float() + bias.float()).half(),
         "float32 result": lambda a, b, bias: torch.relu(a.float() @ b.float() + bias.float()),
         "NaN in the result": lambda a, b, bias: torch.full((a.shape[0], b.shape[1]), float("nan"), dtype=torch.float16,
                                                            device=a.device),
@@ -244,11 +247,14 @@ EXERCISES = {
     "batched_matmul": (L.check_batched_matmul, batched, {
         "every batch uses batch 0": lambda a, b: batched(a, b, batch_0_only=True),
         "b assumed contiguous": lambda a, b: batched(a, b, assume_contiguous=True),
+        "a assumed contiguous": lambda a, b: batched(a, b, assume_a_contiguous=True),
         "batch dimension dropped": lambda a, b: batched(a, b)[0],
     }),
     "matmul_softmax": (L.check_matmul_softmax, matmul_softmax, {
         "padded columns counted as zero scores": lambda a, b: matmul_softmax(a, b, pad_with_zero=True),
         "softmax over the wrong axis": lambda a, b: torch.softmax(a.float() @ b.float(), dim=0).half(),
+        "no row maximum subtracted": lambda a, b: (torch.exp(a.float() @ b.float())
+                                                   / torch.exp(a.float() @ b.float()).sum(1, keepdim=True)).half(),
         "not a tensor": lambda a, b: (a @ b).tolist(),
     }),
 }

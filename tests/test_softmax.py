@@ -243,6 +243,36 @@ def test_check_masked_softmax_rejects_padding_that_is_almost_zero():
         LESSON_01.check_masked_softmax(leaky)
 
 
+def test_check_masked_softmax_rejects_a_kernel_that_ignores_the_column_stride():
+    def contiguous_columns(x, lengths):
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        _masked_softmax_kernel[(x.shape[0],)](x, lengths, y, x.shape[1], x.stride(0), 1,
+                                              BLOCK_N=triton.next_power_of_2(x.shape[1]))
+        return y
+
+    with pytest.raises(AssertionError, match="transposed view: the output differs"):
+        LESSON_01.check_masked_softmax(contiguous_columns)
+
+
+def test_check_masked_softmax_rejects_a_softmax_without_the_max():
+    def unshifted(x, lengths):
+        keep = torch.arange(x.shape[1], device=x.device)[None, :] < lengths[:, None]
+        e = torch.exp(x.float()).masked_fill(~keep, 0.0)
+        return (e / e.sum(dim=1, keepdim=True)).to(x.dtype)
+
+    with pytest.raises(AssertionError, match="masked_softmax on"):
+        LESSON_01.check_masked_softmax(unshifted)
+
+
+def test_check_masked_softmax_rejects_an_answer_that_writes_over_its_input():
+    def in_place(x, lengths):
+        x.copy_(masked_softmax(x, lengths))
+        return x
+
+    with pytest.raises(AssertionError, match="changed its input x"):
+        LESSON_01.check_masked_softmax(in_place)
+
+
 @triton.jit
 def _log_softmax_kernel(x_ptr, y_ptr, N, x_row_stride, x_col_stride, BLOCK_N: tl.constexpr):
     row = tl.program_id(0)
@@ -289,6 +319,30 @@ def test_check_log_softmax_accepts_a_correct_solution(capsys):
 def test_check_log_softmax_rejects_a_forward_without_the_max():
     with pytest.raises(AssertionError, match="the output differs"):
         LESSON_01.check_log_softmax(lambda x: (x.float() - torch.exp(x.float()).sum(1, keepdim=True).log()).to(x.dtype))
+
+
+def test_check_log_softmax_rejects_a_backward_that_ignores_the_gradient_strides():
+    class StrideBlind(_LogSoftmax):
+        @staticmethod
+        def backward(ctx, dy):
+            (y,) = ctx.saved_tensors
+            dx, block = torch.empty_like(y), triton.next_power_of_2(y.shape[1])
+            _log_softmax_backward_kernel[(y.shape[0],)](y, dy, dx, y.shape[1], BLOCK_N=block)  # dy as if contiguous
+            return dx
+
+    with pytest.raises(AssertionError, match="the gradient differs"):
+        LESSON_01.check_log_softmax(StrideBlind.apply)
+
+
+def test_check_log_softmax_rejects_an_answer_that_writes_over_its_input():
+    def in_place(x):
+        y = _LogSoftmax.apply(x)
+        with torch.no_grad():
+            x.copy_(y)
+        return y
+
+    with pytest.raises(AssertionError, match="changed its input x"):
+        LESSON_01.check_log_softmax(in_place)
 
 
 def test_check_log_softmax_rejects_an_output_without_a_graph():
@@ -386,6 +440,38 @@ def test_check_merge_partials_rejects_nan_from_masked_splits():
 
     with pytest.raises(AssertionError, match="merge_partials on"):
         LESSON_02.check_merge_partials(per_split_then_weighted)
+
+
+def test_check_two_loop_softmax_rejects_a_softmax_without_the_max():
+    def unshifted(x, block_n):
+        e = torch.exp(x.float())
+        return (e / e.sum(dim=1, keepdim=True)).to(x.dtype)
+
+    with pytest.raises(AssertionError, match="two_loop_softmax on"):
+        LESSON_02.check_two_loop_softmax(unshifted)
+
+
+def test_check_merge_partials_rejects_weights_without_the_max():
+    def unshifted(m, d, acc):
+        w = torch.exp(m)
+        return (w[:, :, None] * acc).sum(dim=1) / (w * d).sum(dim=1, keepdim=True)
+
+    with pytest.raises(AssertionError, match="merge_partials on"):
+        LESSON_02.check_merge_partials(unshifted)
+
+
+def test_check_merge_partials_rejects_a_running_merge_without_a_guard_for_masked_splits():
+    def running(m, d, acc):
+        # Split by split from split 0: while everything seen is masked, e^(-inf - -inf) is NaN.
+        mm, dd, aa = m[:, 0], d[:, 0], acc[:, 0]
+        for s in range(1, m.shape[1]):
+            new = torch.maximum(mm, m[:, s])
+            old_w, new_w = torch.exp(mm - new), torch.exp(m[:, s] - new)
+            mm, dd, aa = new, dd * old_w + d[:, s] * new_w, aa * old_w[:, None] + acc[:, s] * new_w[:, None]
+        return aa / dd[:, None]
+
+    with pytest.raises(AssertionError, match="merge_partials on"):
+        LESSON_02.check_merge_partials(running)
 
 
 @pytest.mark.parametrize("name", KERNELS)

@@ -446,17 +446,19 @@ if __name__ == "__main__":
 # * a device-to-device copy of a large buffer (256 MiB on a GPU), far bigger than the caches: the
 #   best estimate this page has of what the memory system sustains. It is an estimate, not a bound:
 #   it is itself a kernel, measured with its own overheads.
-# * a copy of *the same tensor* at each size, since for small inputs launching a kernel and ramping
-#   the memory system up and down take a fixed few microseconds, and even a plain copy falls short
-#   of the large-buffer figure there. This is a reference, not a ceiling: it measures PyTorch's copy
-#   (for contiguous tensors of one dtype, the CUDA driver's device-to-device ``memcpy``), whose
-#   launch shape is chosen for copies in general, not for this size. A kernel that keeps more loads
-#   in flight per thread, or spreads its last wave of programs differently, can finish sooner at
-#   some sizes; the sentences under the table count where that happened in this run.
+# * a copy of *the same tensor* at each size, since on a GPU, for small inputs, launching a kernel
+#   and ramping the memory system up and down take a fixed few microseconds, and even a plain copy
+#   falls short of the large-buffer figure there. (On a CPU a small tensor sits in the caches and
+#   its copy can beat the large buffer's many times over.) This is a reference, not a ceiling: it
+#   measures PyTorch's copy (for contiguous tensors of one dtype, the CUDA driver's
+#   device-to-device ``memcpy``), whose launch shape is chosen for copies in general, not for this
+#   size. A kernel that keeps more loads in flight per thread, or spreads its last wave of
+#   programs differently, can finish sooner at some sizes; the sentences under the table count
+#   where that happened in this run.
 #
 # On a GPU the time is the median of ``triton.testing.do_bench``, the faster of two such timings
-# (``fastest_of_rounds`` below says why); under the interpreter it is the median wall-clock time of
-# a few runs, which measures NumPy on the CPU, not a GPU.
+# (``fastest_of_rounds`` below says why); under the interpreter it is the fastest wall-clock time
+# of three runs, which measures NumPy on the CPU, not a GPU.
 # ``torch.compile`` fuses the naive version into generated Triton code. It compiles once per shape,
 # which takes seconds on a GPU; on a CPU it would generate C++ instead, which says nothing about
 # Triton, so it only runs on a GPU.
@@ -590,9 +592,17 @@ if __name__ == "__main__":
 # The results
 # -----------
 # Every provider's speed in GB/s at each row length, in this run (to 0.1 GB/s on a GPU; the
-# interpreter's tiny figures keep three decimals):
+# interpreter's tiny figures keep three significant digits):
 
-table.rename(columns=lambda name: f"{name} [GB/s]").round(1 if ON_GPU else 3) if __name__ == "__main__" else None
+
+def rates_shown(table):
+    """The table of GB/s as the page shows it: to 0.1 on a GPU, to three significant digits under the
+    interpreter, whose rates are far too small for a fixed number of decimals."""
+    shown = table.rename(columns=lambda name: f"{name} [GB/s]")
+    return shown.round(1) if ON_GPU else shown.apply(lambda column: column.map(lambda v: float(f"{v:.3g}")))
+
+
+rates_shown(table) if __name__ == "__main__" else None
 
 # %%
 # What the numbers say
@@ -705,13 +715,19 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
 def _exercise_inputs():
-    """Fresh random (name, leaf tensor, index) cases: the input is leaf[index], some of them strided."""
-    everything = (slice(None), slice(None))
+    """Fresh random (name, leaf tensor, view) cases: the input is view(leaf), some of them strided.
+
+    Row 0 is shifted up by 100: e^100 overflows fp32 and fp16, so the row maximum must be subtracted."""
+    def shifted(*shape, dtype):
+        x = torch.randn(*shape, device=DEVICE) * 4
+        x[0] += 100
+        return x.to(dtype)
+
     for dtype in SUPPORTED_DTYPES:
         for M, N in [(1, 1), (1, 300), (7, 1), (5, 257), (37, 100)]:
-            yield f"{M}x{N} {str(dtype)[6:]}", (torch.randn(M, N, device=DEVICE) * 4).to(dtype), everything
-        yield f"13x200 {str(dtype)[6:]} strided view", (torch.randn(13, 300, device=DEVICE) * 4).to(dtype), \
-            (slice(None), slice(7, 207))
+            yield f"{M}x{N} {str(dtype)[6:]}", shifted(M, N, dtype=dtype), lambda t: t
+        yield f"13x200 {str(dtype)[6:]} column slice", shifted(13, 300, dtype=dtype), lambda t: t[:, 7:207]
+        yield f"90x11 {str(dtype)[6:]} transposed view", shifted(11, 90, dtype=dtype), lambda t: t.t()
 
 
 def _expect_close(exercise, case, what, got, expected, dtype, atol):
@@ -725,18 +741,26 @@ def _expect_close(exercise, case, what, got, expected, dtype, atol):
         raise AssertionError(f"{exercise} on {case}: {what} differs from the float64 reference.\n{error}") from None
 
 
+def _unchanged(exercise, case, name, before, after):
+    if not torch.equal(before, after):
+        raise AssertionError(f"{exercise} on {case}: the function changed its input {name}; it must leave it as it was")
+
+
 def check_masked_softmax(fn):
     """Check fn(x, lengths) -> softmax of each row's first lengths[i] columns, exactly 0 past them."""
     count = 0
-    for case, leaf, index in _exercise_inputs():
-        x = leaf[index]
+    for case, leaf, view in _exercise_inputs():
+        x = view(leaf)
         M, N = x.shape
         lengths = torch.randint(1, N + 1, (M,), device=DEVICE, dtype=torch.int32)
         lengths[-1] = 1  # a one-element row and, where there is room for both, a full one
         lengths[0] = N
         keep = torch.arange(N, device=DEVICE)[None, :] < lengths[:, None]
         expected = torch.softmax(x.double().masked_fill(~keep, -float("inf")), dim=1)
+        x_before, lengths_before = x.clone(), lengths.clone()
         y = fn(x, lengths)
+        _unchanged("masked_softmax", case, "x", x_before, x)
+        _unchanged("masked_softmax", case, "lengths", lengths_before, lengths)
         _expect_close("masked_softmax", case, "the output", y, expected, x.dtype, TOLERANCE[x.dtype] * 1e-2)
         if (y[~keep] != 0).any():
             raise AssertionError(f"masked_softmax on {case}: columns past a row's length must be exactly 0")
@@ -747,25 +771,27 @@ def check_masked_softmax(fn):
 def check_log_softmax(fn):
     """Check fn(x) -> log_softmax(x) along rows, and its gradient, against float64 autograd."""
     count = 0
-    for case, leaf, index in _exercise_inputs():
-        leaf[0] += 100  # e^100 overflows fp32 and fp16: the row maximum must be subtracted first
+    for case, leaf, view in _exercise_inputs():
         leaf.requires_grad_()
-        x = leaf[index]
-        y = fn(x)
+        x = view(leaf)
         x64 = x.detach().double().requires_grad_()
         expected = torch.log_softmax(x64, dim=1)
+        x_before = x.detach().clone()
+        y = fn(x)
+        _unchanged("log_softmax", case, "x", x_before, x.detach())
         _expect_close("log_softmax", case, "the output", y, expected.detach(), x.dtype, TOLERANCE[x.dtype])
         if y.grad_fn is None:
             raise AssertionError(f"log_softmax on {case}: the output has no autograd graph although x requires a "
                                  "gradient; wire the kernels together with torch.autograd.Function")
-        dy = torch.randn(y.shape, device=DEVICE).to(y.dtype)
+        # dy as autograd may hand it over: a transposed view, not contiguous.
+        dy = torch.randn(y.shape[::-1], device=DEVICE).to(y.dtype).t()
         y.backward(dy)
         expected.backward(dy.double())
         if leaf.grad is None:
             raise AssertionError(f"log_softmax on {case}: x received no gradient")
         scale = 1 + x64.grad.abs().max().item()
-        _expect_close("log_softmax", case, "the gradient", leaf.grad[index], x64.grad, x.dtype,
+        _expect_close("log_softmax", case, "the gradient", view(leaf.grad), x64.grad, x.dtype,
                       TOLERANCE[x.dtype] * scale)
         count += 1
     print(f"log_softmax passed on {count} fresh inputs, output and gradient "
-          "(irregular shapes, fp32/fp16/bf16, strided views).")
+          "(irregular shapes, fp32/fp16/bf16, strided views, a strided dy).")

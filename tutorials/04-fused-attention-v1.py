@@ -460,6 +460,45 @@ if __name__ == "__main__":
         errors = check_against_float64(attention, q, k, v, causal, 32 ** -0.5,
                                        f"04-fused-attention-v1, causal={causal}")
         print(f"causal={causal}, N=77: relative max error " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+
+# %%
+# The price of dividing :math:`dO` by :math:`\ell` first
+# ------------------------------------------------------
+# The preprocess stores :math:`dO / \ell` in the input's dtype, and :math:`\ell` can be as large
+# as :math:`N`: with attention spread evenly over 1,024 keys, each row of :math:`dO` is divided by
+# about 1,024. In fp16 that moves every value ten binades (factors of two) down, and a gradient
+# that was small to begin with ends up among fp16's *subnormal* numbers (below :math:`6 \cdot 10^{-5}`), which carry
+# fewer significant bits the smaller they are. The identity derived above holds in exact
+# arithmetic; the stored tensor does not. The same check as above, at :math:`N = 1024` with
+# near-uniform attention (small queries), for a :math:`dO` of order 1 and one of order
+# :math:`10^{-4}`, such as a loss scaled down or averaged over many tokens produces (printed
+# as the error of :math:`dV` relative to its largest value, as above):
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    q = torch.randn(1, 1, 1024, 64, device=DEVICE, dtype=torch.float16) * 0.01
+    k, v = (torch.randn(1, 1, 1024, 64, device=DEVICE, dtype=torch.float16) for _ in range(2))
+    dv_errors = {}
+    for size in (1.0, 1e-4):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        do = torch.randn(1, 1, 1024, 64, device=DEVICE, dtype=torch.float16) * size
+        attention(qq, kk, vv, False, 64 ** -0.5).backward(do)
+        q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+        reference_attention(q64, k64, v64, False, 64 ** -0.5).backward(do.double())
+        dv_errors[size] = ((vv.grad.double() - v64.grad).abs().max() / v64.grad.abs().max()).item()
+        print(f"dO of order {size:g}: dV off by {dv_errors[size]:.1e} of its largest value")
+    print(f"The small gradient's dV is {dv_errors[1e-4] / dv_errors[1.0]:.0f}x as far off as the large one's.")
+
+# %%
+# FlashAttention-2 (the next lesson) does not divide :math:`dO` at all: it recomputes
+# :math:`P` already normalized from the saved log-sum-exp, and its tests check that its
+# :math:`dV` keeps its precision in this same case. Its :math:`dQ` and :math:`dK` do not escape:
+# like Triton's own tutorial, it rounds :math:`dS = P \circ (dP - \Delta)` to fp16 for the
+# tensor cores, and with :math:`P` near :math:`1/1024` and :math:`dP - \Delta` of the order of
+# :math:`dO`, :math:`dS` is subnormal as well. This is why fp16 training scales its loss up
+# (``torch.amp.GradScaler``), and one reason to train in bf16, which has fp32's exponent range
+# and no subnormals at these magnitudes.
+
 # %%
 # Benchmark
 # ---------
@@ -779,27 +818,42 @@ elif __name__ == "__main__":
 # %%
 # Exercises
 # ---------
-# 1. **Normalize once, at the end.** Rewrite ``one_row_attention`` so that it keeps the
-#    *unnormalized* accumulator :math:`a` and divides by :math:`\ell` only after the loop (what
-#    FlashAttention-2 does), as ``one_row_attention_v2(q, k, v, scale)``. Then
-#    ``check_one_row_attention(one_row_attention_v2)``.
-# 2. **Merge two partial states.** Split the keys of one query row in two halves; each half gives a
-#    state :math:`(m, \ell, a)` computed as above. Write ``merge(state1, state2)`` returning the state of
-#    all the keys, so that ``a / l`` of the result is the row's attention output. (This is the
-#    combine step of the long-row softmax lesson, and of decoding kernels that split the keys
-#    among programs.) Then ``check_merge(merge)``.
+# 1. **Normalized at every step.** FlashAttention-1 keeps the output normalized after every key
+#    block (see "From rows to blocks"), where ``one_row_attention`` above keeps the unnormalized
+#    :math:`a` and divides once at the end, as FlashAttention-2 does. Write
+#    ``running_attention(q, k, v, scale)`` for one query row that keeps no :math:`a`, only the
+#    normalized output :math:`o`, updated key by key with the two factors
+#    :math:`\ell e^{m - m'} / \ell'` and :math:`e^{s_j - m'} / \ell'`. It returns a tensor of shape
+#    ``(n, d)`` whose row :math:`j` is :math:`o` after key :math:`j`: the attention output over
+#    keys :math:`0 \ldots j`. Then ``check_running_attention(running_attention)``, which tries 20
+#    random rows, some with scores far past what :math:`e^s` can hold in fp32, and allows the
+#    rounding of float32 arithmetic.
+# 2. **Merge two partial states.** Split the keys of one query row in two parts, anywhere; each
+#    part gives a state :math:`(m, \ell, a)` computed as above. Write ``merge(state1, state2)``
+#    returning the state of all the keys: its maximum, and its sum and unnormalized output
+#    relative to that maximum, so that the result can itself be merged again and ``a / l`` is the
+#    row's attention output. (This is the combine step of the long-row softmax lesson, and of
+#    decoding kernels that split the keys among programs.) Then ``check_merge(merge)``.
 
 
-def check_one_row_attention(fn):
-    """Your one-row attention against float64 softmax(k q * scale) v on a random row."""
+def check_running_attention(fn):
+    """Your running attention against float64 softmax over each prefix of the keys, on 20 random rows."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
-    n, d = int(torch.randint(1, 60, (), generator=gen)), int(torch.randint(1, 33, (), generator=gen))
-    q, k, v = torch.randn(d, generator=gen), torch.randn(n, d, generator=gen) * 3, torch.randn(n, d, generator=gen)
-    scale = float(torch.rand((), generator=gen)) + 0.1
-    want = torch.softmax(k.double() @ q.double() * scale, dim=0) @ v.double()
-    got = torch.as_tensor(fn(q, k, v, scale), dtype=torch.float64)
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9, msg=lambda m: f"n={n}, d={d}: {m}")
-    print(f"one-row attention is right (n={n}, d={d}).")
+    for trial in range(20):
+        n, d = int(torch.randint(1, 60, (), generator=gen)), int(torch.randint(1, 33, (), generator=gen))
+        q, k, v = torch.randn(d, generator=gen), torch.randn(n, d, generator=gen) * 3, torch.randn(n, d, generator=gen)
+        scale = float(torch.rand((), generator=gen)) + 0.1
+        if trial % 4 == 0:  # one key scores 200: e^200 overflows fp32 unless the running maximum is subtracted
+            k[n // 2] = q * (200 / (scale * float(q @ q)))
+        s = k.double() @ q.double() * scale
+        want = torch.stack([torch.softmax(s[:j + 1], dim=0) @ v[:j + 1].double() for j in range(n)])
+        got = fn(q.clone(), k.clone(), v.clone(), scale)
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != (n, d):
+            shown = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+            raise AssertionError(f"n={n}, d={d}: expected a tensor of shape {(n, d)}, one row per key, got {shown}")
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, n=n, d=d: f"n={n}, d={d}: {m}")
+    print("running attention is right after every key, on 20 random rows.")
 
 
 def partial_state(q, k, v, scale):
@@ -811,15 +865,17 @@ def partial_state(q, k, v, scale):
 
 
 def check_merge(fn):
-    """Your merge against the state of all keys, on random splits, one half far larger than the other."""
+    """Your merge against the state of all keys, on random splits whose parts' maxima differ a lot."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
-    for _ in range(20):
+    for trial in range(20):
         n, d = int(torch.randint(2, 60, (), generator=gen)), int(torch.randint(1, 17, (), generator=gen))
         q, k, v = torch.randn(d, generator=gen), torch.randn(n, d, generator=gen) * 5, torch.randn(n, d, generator=gen)
-        k[: n // 2] += 3  # the halves' maxima differ a lot
         cut = int(torch.randint(1, n, (), generator=gen))
+        k[:cut] += 3 if trial % 2 else -3  # first part's maximum far above, or far below, the second's
+        want_m, want_l, want_a = partial_state(q, k, v, 0.5)
         m, l, a = fn(partial_state(q, k[:cut], v[:cut], 0.5), partial_state(q, k[cut:], v[cut:], 0.5))
-        want = torch.softmax(k.double() @ q.double() * 0.5, dim=0) @ v.double()
-        torch.testing.assert_close(torch.as_tensor(a, dtype=torch.float64) / float(l), want, rtol=1e-6, atol=1e-9,
-                                   msg=lambda msg, n=n, cut=cut: f"keys split {cut} + {n - cut}: {msg}")
+        for name, got, want in (("m", m, want_m), ("l", l, want_l), ("a", a, want_a)):
+            torch.testing.assert_close(torch.as_tensor(got, dtype=torch.float64), want, rtol=1e-6, atol=1e-9,
+                                       msg=lambda msg, n=n, cut=cut, name=name: f"keys split {cut} + {n - cut}, "
+                                       f"{name} of the merged state: {msg}")
     print("merge combines partial states exactly, on 20 random splits.")

@@ -678,7 +678,8 @@ def attn_bwd_dq_kernel(
     D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # BLOCK_M / BLOCK_N are swapped on launch: this program owns BLOCK_N query rows.
+    # This kernel's query block is BLOCK_N rows and its key block BLOCK_M: the dK, dV pass's names
+    # turned round, so that one list of (small, large) candidate pairs serves both passes.
     start_m = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1).to(tl.int64)  # b * stride can pass 2**31 elements
     b, h = bh // H, bh % H
@@ -1090,20 +1091,23 @@ def check_causal_block_mask(fn):
 
 
 def check_one_row_backward(fn):
-    """Your one_row_backward against float64 autograd, on a random row with random sizes."""
+    """Your one_row_backward against float64 autograd, on 10 random rows of random sizes."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
-    N, D = int(torch.randint(1, 40, (), generator=gen)), int(torch.randint(1, 17, (), generator=gen))
-    q, do = torch.randn(D, generator=gen, dtype=torch.float64), torch.randn(D, generator=gen, dtype=torch.float64)
-    K, V = (torch.randn(N, D, generator=gen, dtype=torch.float64) for _ in range(2))
-    scale = float(torch.rand((), generator=gen)) + 0.1
-    leaves = [t.clone().requires_grad_() for t in (q, K, V)]
-    out = torch.softmax(K.new_tensor(0) + leaves[1] @ leaves[0] * scale, dim=0) @ leaves[2]
-    want = torch.autograd.grad(out, leaves, do)
-    got = fn(q, K, V, do, scale)
-    for name, g, w in zip(("dq", "dK", "dV"), got, want):
-        torch.testing.assert_close(torch.as_tensor(g, dtype=torch.float64), w, rtol=1e-6, atol=1e-8,
-                                   msg=lambda m, name=name: f"{name} (N={N}, D={D}) is off: {m}")
-    print(f"one_row_backward matches autograd (N={N}, D={D}).")
+    for _ in range(10):
+        N, D = int(torch.randint(1, 40, (), generator=gen)), int(torch.randint(1, 17, (), generator=gen))
+        q, do = torch.randn(D, generator=gen, dtype=torch.float64), torch.randn(D, generator=gen, dtype=torch.float64)
+        K, V = (torch.randn(N, D, generator=gen, dtype=torch.float64) for _ in range(2))
+        scale = float(torch.rand((), generator=gen)) + 0.1
+        leaves = [t.clone().requires_grad_() for t in (q, K, V)]
+        out = torch.softmax(leaves[1] @ leaves[0] * scale, dim=0) @ leaves[2]
+        want = torch.autograd.grad(out, leaves, do)
+        got = fn(q.clone(), K.clone(), V.clone(), do.clone(), scale)
+        if not isinstance(got, (tuple, list)) or len(got) != 3:
+            raise AssertionError(f"one_row_backward must return three gradients (dq, dK, dV), got {got!r:.80}")
+        for name, g, w in zip(("dq", "dK", "dV"), got, want):
+            torch.testing.assert_close(torch.as_tensor(g, dtype=torch.float64), w, rtol=1e-6, atol=1e-8,
+                                       msg=lambda m, name=name, N=N, D=D: f"{name} (N={N}, D={D}) is off: {m}")
+    print("one_row_backward matches autograd on 10 random rows.")
 
 
 def check_padded_attention(fn):
@@ -1111,7 +1115,10 @@ def check_padded_attention(fn):
     B, H, N, D = 3, 2, 77, 32
     q, k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16) for _ in range(3))
     lengths = torch.tensor([N, 1, 40], device=DEVICE)
-    out = fn(q, k, v, lengths, D ** -0.5)
+    # The answer gets copies: one that rewrote its inputs in place would otherwise fool the reference.
+    out = fn(q.clone(), k.clone(), v.clone(), lengths.clone(), D ** -0.5)
+    if not isinstance(out, torch.Tensor) or out.shape != q.shape:
+        raise AssertionError(f"padded_attention must return a tensor of shape {tuple(q.shape)}")
     for b, n in enumerate(lengths.tolist()):
         want = reference_attention(q[b].double(), k[b, :, :n].double(), v[b, :, :n].double(), False, D ** -0.5)
         torch.testing.assert_close(out[b].double(), want, rtol=1e-2, atol=1e-2,

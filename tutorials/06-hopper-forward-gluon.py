@@ -34,6 +34,7 @@ numbers, and says why the Gluon kernel did not run.
 
 import functools
 import os
+import random
 
 import torch
 
@@ -821,12 +822,15 @@ elif __name__ == "__main__":
 def check_persistent_slot(fn):
     """Your persistent_slot against simulated "full" and "empty" barriers, for 1 to 4 stages."""
     blocks = [3, 5, 2, 7, 1, 4]  # key blocks per tile, uneven as under causal masking
+    order = [(tile, j) for tile, count in enumerate(blocks) for j in range(count)]
     for stages in range(1, 5):
+        # Asked in a shuffled order, so that an answer must compute each slot, not count its calls.
+        answers = {key: fn(blocks, *key, stages) for key in random.sample(order, len(order))}
         full, empty = [1] * stages, [1] * stages  # parity of each barrier's last completed phase
         for tile, count in enumerate(blocks):
             for j in range(count):
                 use = sum(blocks[:tile]) + j  # this block's place in the program's whole stream of loads
-                buffer, full_parity, empty_parity = fn(blocks, tile, j, stages)
+                buffer, full_parity, empty_parity = answers[tile, j]
                 where = f"tile {tile}, block {j}, {stages} stages"
                 if buffer != use % stages:
                     raise AssertionError(f"{where}: the block goes to buffer {use % stages}, not {buffer}")
@@ -855,8 +859,9 @@ def check_tma_ready(fn):
     }
     for name, t in cases.items():
         ready = fn(t)
-        if not isinstance(ready, torch.Tensor) or ready.shape != t.shape or not torch.equal(ready, t):
-            raise AssertionError(f"{name}: tma_ready must return a tensor with t's shape and values")
+        if (not isinstance(ready, torch.Tensor) or ready.shape != t.shape or ready.dtype != t.dtype
+                or ready.device != t.device or not torch.equal(ready, t)):
+            raise AssertionError(f"{name}: tma_ready must return a tensor with t's shape, dtype, device and values")
         if not tma_loadable(ready):
             raise AssertionError(f"{name}: TMA cannot load the result (strides {ready.stride()}, data "
                                  f"{ready.data_ptr() % 16} bytes past a 16-byte boundary)")

@@ -682,8 +682,10 @@ elif __name__ == "__main__":
 #    ``start_n + block_n - 1`` and, with causal masking, walks query blocks of ``block_m`` rows from
 #    the first that can see any of its keys. Write ``query_block_range(start_n, block_n, block_m,
 #    n)`` returning ``(first, unmasked_from, last)``: the first query block it walks, the first
-#    that needs no causal mask, and one past the last (blocks are full width, as in the kernel:
-#    keys and queries past ``n`` count as present). Then
+#    that needs no causal mask (``last`` when every block it walks needs the mask), and one past
+#    the last. Blocks are full width, as in the kernel: keys and queries past ``n`` count as
+#    present. Block sizes are powers of two, but either block may be the larger: the kernel's own
+#    ``first + BLOCK_N // BLOCK_M`` holds only where ``BLOCK_M`` divides ``BLOCK_N``. Then
 #    ``check_query_block_range(query_block_range)``.
 # 2. **Counting products.** Write ``products_per_block_pair(atomic_dq)`` for lesson 05's
 #    backward: how many matrix products one (key block, query block) pair costs with and without
@@ -693,8 +695,8 @@ elif __name__ == "__main__":
 def check_query_block_range(fn):
     """Your query_block_range against the causal mask itself, over many block sizes and lengths. Blocks are
     full width, as in the kernel: keys and queries past n count as present (the loads give zeros)."""
-    for block_n in (64, 128):
-        for block_m in (16, 32, 64):
+    for block_n in (32, 64, 128):
+        for block_m in (16, 32, 64, 128):
             for n in (1, 63, 64, 200, 517):
                 last = triton.cdiv(n, block_m)
                 for start_n in range(0, n, block_n):
