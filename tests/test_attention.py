@@ -381,6 +381,8 @@ def test_exercise_running_attention(capsys):
 
     with pytest.raises(AssertionError, match="n="):  # e^s overflows on the rows with large scores
         V1.check_running_attention(no_max)
+    with pytest.raises(AssertionError, match="n="):  # even in float64
+        V1.check_running_attention(lambda q, k, v, scale: no_max(q.double(), k.double(), v.double(), scale))
     with pytest.raises(AssertionError, match="n="):  # a slightly wrong sum
         V1.check_running_attention(lambda q, k, v, scale: right(q, k, v, scale) * 1.001)
 

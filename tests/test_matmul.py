@@ -202,11 +202,13 @@ def _batched_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sab, sam, sak, sbb, sbk, sbn,
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-def batched(a, b, batch_0_only=False, assume_contiguous=False, assume_a_contiguous=False):
+def batched(a, b, batch_0_only=False, assume_contiguous=False, assume_a_contiguous=False, packed_batches=False):
     (B, M, K), N = a.shape, b.shape[2]
     c = torch.empty(B, M, N, dtype=torch.float16, device=a.device)
     b_strides = (K * N, N, 1) if assume_contiguous else b.stride()  # the wrong variants ignore a layout
     a_strides = (M * K, K, 1) if assume_a_contiguous else a.stride()
+    if packed_batches:  # one matrix right after another, whatever the batch stride says
+        a_strides, b_strides = (M * K, *a_strides[1:]), (K * N, *b_strides[1:])
     _batched_kernel[(triton.cdiv(M, BLOCK), triton.cdiv(N, BLOCK), B)](
         a, b, c, M, N, K, *a_strides, *b_strides, BLOCK=BLOCK, BLOCK_K=BLOCK_K, BATCH_0_ONLY=batch_0_only)
     return c
@@ -248,6 +250,7 @@ EXERCISES = {
         "every batch uses batch 0": lambda a, b: batched(a, b, batch_0_only=True),
         "b assumed contiguous": lambda a, b: batched(a, b, assume_contiguous=True),
         "a assumed contiguous": lambda a, b: batched(a, b, assume_a_contiguous=True),
+        "batch strides assumed packed": lambda a, b: batched(a, b, packed_batches=True),
         "batch dimension dropped": lambda a, b: batched(a, b)[0],
     }),
     "matmul_softmax": (L.check_matmul_softmax, matmul_softmax, {

@@ -250,7 +250,7 @@ def test_check_masked_softmax_rejects_a_kernel_that_ignores_the_column_stride():
                                               BLOCK_N=triton.next_power_of_2(x.shape[1]))
         return y
 
-    with pytest.raises(AssertionError, match="transposed view: the output differs"):
+    with pytest.raises(AssertionError, match="transposed view float32: the output differs"):
         LESSON_01.check_masked_softmax(contiguous_columns)
 
 
@@ -262,6 +262,16 @@ def test_check_masked_softmax_rejects_a_softmax_without_the_max():
 
     with pytest.raises(AssertionError, match="masked_softmax on"):
         LESSON_01.check_masked_softmax(unshifted)
+
+
+def test_check_masked_softmax_rejects_a_maximum_taken_over_the_padding():
+    def padded_max(x, lengths):
+        keep = torch.arange(x.shape[1], device=x.device)[None, :] < lengths[:, None]
+        e = torch.exp(x.float() - x.float().amax(dim=1, keepdim=True)).masked_fill(~keep, 0.0)
+        return (e / e.sum(dim=1, keepdim=True)).to(x.dtype)
+
+    with pytest.raises(AssertionError, match="masked_softmax on"):
+        LESSON_01.check_masked_softmax(padded_max)
 
 
 def test_check_masked_softmax_rejects_an_answer_that_writes_over_its_input():

@@ -696,7 +696,8 @@ if __name__ == "__main__":
 # Exercises
 # ---------
 # Each exercise comes with a check: pass it your function and it runs it on fresh random inputs of
-# irregular shapes in fp32, fp16 and bf16 (and a strided view), compares with a float64 reference
+# irregular shapes in fp32, fp16 and bf16 (and strided views, and a strided ``dy`` for the
+# gradient), checks that your function leaves its inputs as they were, compares with a float64 reference
 # with ``torch.testing.assert_close`` (so ``NaN`` fails), and either raises ``AssertionError``
 # saying what is wrong or prints one line saying the function passed. Solutions are not given here.
 #
@@ -718,16 +719,17 @@ def _exercise_inputs():
     """Fresh random (name, leaf tensor, view) cases: the input is view(leaf), some of them strided.
 
     Row 0 is shifted up by 100: e^100 overflows fp32 and fp16, so the row maximum must be subtracted."""
-    def shifted(*shape, dtype):
-        x = torch.randn(*shape, device=DEVICE) * 4
-        x[0] += 100
-        return x.to(dtype)
+    def shifted(view, *shape, dtype):
+        leaf = (torch.randn(*shape, device=DEVICE) * 4).to(dtype)
+        view(leaf)[0] += 100  # row 0 of the input, through the view
+        return leaf
 
     for dtype in SUPPORTED_DTYPES:
-        for M, N in [(1, 1), (1, 300), (7, 1), (5, 257), (37, 100)]:
-            yield f"{M}x{N} {str(dtype)[6:]}", shifted(M, N, dtype=dtype), lambda t: t
-        yield f"13x200 {str(dtype)[6:]} column slice", shifted(13, 300, dtype=dtype), lambda t: t[:, 7:207]
-        yield f"90x11 {str(dtype)[6:]} transposed view", shifted(11, 90, dtype=dtype), lambda t: t.t()
+        cases = [(f"{M}x{N}", (M, N), lambda t: t) for M, N in [(1, 1), (1, 300), (7, 1), (5, 257), (37, 100)]]
+        cases += [("13x200 column slice", (13, 300), lambda t: t[:, 7:207]),
+                  ("90x11 transposed view", (11, 90), lambda t: t.t())]
+        for name, shape, view in cases:
+            yield f"{name} {str(dtype)[6:]}", shifted(view, *shape, dtype=dtype), view
 
 
 def _expect_close(exercise, case, what, got, expected, dtype, atol):
@@ -756,6 +758,8 @@ def check_masked_softmax(fn):
         lengths[-1] = 1  # a one-element row and, where there is room for both, a full one
         lengths[0] = N
         keep = torch.arange(N, device=DEVICE)[None, :] < lengths[:, None]
+        if M > 1:
+            x[-1, 1:] = 120  # padding can hold anything: a maximum taken over it would overflow e^(x - m)
         expected = torch.softmax(x.double().masked_fill(~keep, -float("inf")), dim=1)
         x_before, lengths_before = x.clone(), lengths.clone()
         y = fn(x, lengths)

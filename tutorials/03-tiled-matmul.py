@@ -495,7 +495,8 @@ if __name__ == "__main__":
 #
 # **(b) A batch of products.** Write ``batched_matmul(a, b)`` for ``a`` of shape ``(B, M, K)`` and
 # ``b`` of shape ``(B, K, N)``, returning ``(B, M, N)`` in fp16: add a grid axis for the batch and
-# move the pointers by the batch strides. ``b`` arrives as a transposed view, so use every stride.
+# move the pointers by the batch strides. ``b`` arrives as a transposed view, and ``a`` as a
+# transposed view or as every other matrix of a larger batch, so use every stride.
 # Attention's grid has the same shape, with batch x heads on its second axis. Check it with
 # ``check_batched_matmul(batched_matmul)``.
 #
@@ -549,10 +550,10 @@ def check_batched_matmul(fn):
     generator = _fresh_generator()
     for batch, (M, N, K) in zip((1, 3, 2, 2), EXERCISE_SHAPES):
         b = _randn(generator, batch, N, K).transpose(1, 2)  # strides (N*K, 1, K)
-        # a as given, then (odd shapes) as a transposed view too: every stride of both.
-        a = _randn(generator, batch, M, K) if M % 2 == 0 else _randn(generator, batch, K, M).transpose(1, 2)
+        # a as a transposed view (odd M), or every other matrix of a larger batch (a batch stride of 2MK).
+        a = _randn(generator, batch, K, M).transpose(1, 2) if M % 2 else _randn(generator, 2 * batch, M, K)[::2]
         _expect(fn(a, b), a.double() @ b.double(), f"batched matmul at B, M, N, K = {batch}, {M}, {N}, {K}"
-                f"{' (a transposed)' if M % 2 else ''}")
+                f"{' (a transposed)' if M % 2 else ' (a every other matrix)'}")
     print("(b) batched matmul: correct on every shape")
 
 
