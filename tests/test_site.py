@@ -179,6 +179,21 @@ GOOD_RECORD = {"tutorial": "01-x", "platform": "GPU: test", "on_gpu": True, "dat
     ("benchmarks[0].rows[1].value", lambda r: r["benchmarks"][0]["rows"][1].update(value="fast")),
     ("benchmarks[0].rows[0].provider", lambda r: r["benchmarks"][0]["rows"][0].pop("provider")),
     ("benchmarks[0].rows[1]", lambda r: r["benchmarks"][0]["rows"][1].pop("N")),
+    # Found by a hostile test: each was accepted, and rendered as a wrong number or crashed the build.
+    ("date", lambda r: r.update(date="20261122")),
+    ("date", lambda r: r.update(date="2026-W47-7")),
+    ("benchmarks[0].ceiling", lambda r: r["benchmarks"][0].update(ceiling=10**400)),
+    ("benchmarks[0].rows[1].value", lambda r: r["benchmarks"][0]["rows"][1].update(value=0.0)),
+    ("benchmarks[0].rows[1].value", lambda r: r["benchmarks"][0]["rows"][1].update(value=-50.0)),
+    ("benchmarks[0].rows[1].value", lambda r: r["benchmarks"][0]["rows"][1].update(value=float("inf"))),
+    ("benchmarks[0].rows[1].value", lambda r: r["benchmarks"][0]["rows"][1].update(value=10**400)),
+    ("benchmarks[0].rows[1]", lambda r: r["benchmarks"][0]["rows"][1].update(N="1")),
+    ("benchmarks[0].rows[2]", lambda r: r["benchmarks"][0]["rows"].append({"N": 1, "provider": "mine", "value": 9.0})),
+    ("benchmarks[0].rows", lambda r: r["benchmarks"][0].update(rows=[])),
+    ("benchmarks[0].ours[1]", lambda r: r["benchmarks"][0].update(ours=["mine", "mine"])),
+    ("benchmarks[0].ours", lambda r: r["benchmarks"][0].update(ours=["mine "])),
+    ("benchmarks[0].peers", lambda r: r["benchmarks"][0].update(peers=["b"])),
+    ("benchmarks[0]", lambda r: r["benchmarks"][0].update(peers=["mine"])),
 ])
 def test_validate_record_names_the_bad_field(field, change):
     perf_summary.validate_record(GOOD_RECORD)

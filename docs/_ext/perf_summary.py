@@ -19,9 +19,11 @@ and ``validate_record`` checks it on every load::
          "ours": [str, ...],   # the providers that are this tutorial's kernels (at least one)
          "peers": [str, ...],  # the providers they are compared with (may be empty)
          "rows": [             # one per provider and case; other providers are allowed and ignored
-            {"provider": str, "value": float or null or NaN (not measured),
-             <case column>: str, int, float or bool, ...},   # the same columns in every row
-            ...]}]}
+            {"provider": str, "value": float > 0, or null or NaN (not measured),
+             <case column>: str, int, float or bool, ...},   # the same columns, of the same types, in
+            ...]}]}                                           # every row; one row per provider and case
+
+Every provider of ``ours`` and ``peers`` has rows, and none is in both lists.
 
 For every kernel of ours, the page gives its best and worst ratio to the strongest peer measured at
 the same case, and its best and worst fraction of the device ceiling measured in the same run, with
@@ -35,6 +37,7 @@ import datetime
 import json
 import math
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -82,12 +85,25 @@ def _check_providers(values, where, at_least_one):
     for i, value in enumerate(values):
         if not isinstance(value, str) or not value:
             raise ValueError(f"{where}[{i}]: expected a provider name, got {value!r}")
+        if value in values[:i]:
+            raise ValueError(f"{where}[{i}]: {value!r} is listed twice")
+
+
+def _is_finite_positive(value):
+    """Whether a number (int or float) is finite and > 0; a huge int that no float holds is not."""
+    try:
+        return math.isfinite(value) and value > 0
+    except OverflowError:
+        return False
 
 
 def validate_record(record):
     """Check one results record against the contract above; raise ValueError naming the bad field."""
     _check_fields(record, FIELDS, "")
     try:
+        # fromisoformat alone also takes 20261122 and 2026-W47-7, which the page would print as they are.
+        if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", record["date"]):
+            raise ValueError
         datetime.date.fromisoformat(record["date"])
     except ValueError:
         raise ValueError(f"date: expected YYYY-MM-DD, got {record['date']!r}") from None
@@ -96,11 +112,16 @@ def validate_record(record):
     for b, bench in enumerate(record["benchmarks"]):
         where = f"benchmarks[{b}]"
         _check_fields(bench, BENCHMARK_FIELDS, where)
-        if not math.isfinite(bench["ceiling"]) or bench["ceiling"] <= 0:
+        if not _is_finite_positive(bench["ceiling"]):
             raise ValueError(f"{where}.ceiling: expected a finite number > 0, got {bench['ceiling']!r}")
         _check_providers(bench["ours"], f"{where}.ours", at_least_one=True)
         _check_providers(bench["peers"], f"{where}.peers", at_least_one=False)
-        columns = None
+        both = sorted(set(bench["ours"]) & set(bench["peers"]))
+        if both:
+            raise ValueError(f"{where}: {both[0]!r} is both one of ours and a peer")
+        if not bench["rows"]:
+            raise ValueError(f"{where}.rows: empty")
+        columns, seen = None, set()
         for r, row in enumerate(bench["rows"]):
             at = f"{where}.rows[{r}]"
             if not isinstance(row, dict):
@@ -110,15 +131,30 @@ def validate_record(record):
                     raise ValueError(f"{at}.{name}: missing")
             if not isinstance(row["provider"], str) or not row["provider"]:
                 raise ValueError(f"{at}.provider: expected a provider name, got {row['provider']!r}")
-            if row["value"] is not None and not _is_number(row["value"]):
-                raise ValueError(f"{at}.value: expected a number or null, got {row['value']!r}")
-            case = set(row) - {"provider", "value"}
+            value = row["value"]
+            if value is not None and not _is_number(value):
+                raise ValueError(f"{at}.value: expected a number or null, got {value!r}")
+            if value is not None and value == value and not _is_finite_positive(value):  # NaN: not measured
+                raise ValueError(f"{at}.value: expected a finite number > 0 (or null or NaN: not measured), "
+                                 f"got {value!r}")
+            case = {name: type(row[name]) for name in row if name not in ("provider", "value")}
             for name in sorted(case):
                 if not isinstance(row[name], CASE_TYPES):
                     raise ValueError(f"{at}.{name}: expected a case value (text, number or bool), got {row[name]!r}")
             if columns is not None and case != columns:
-                raise ValueError(f"{at}: case columns {sorted(case)} differ from the first row's {sorted(columns)}")
+                raise ValueError(f"{at}: case columns {sorted(case)} (of types "
+                                 f"{[t.__name__ for _, t in sorted(case.items())]}) differ from the first row's "
+                                 f"{sorted(columns)} (of types {[t.__name__ for _, t in sorted(columns.items())]})")
             columns = case
+            key = (row["provider"], _case_key(row))
+            if key in seen:
+                raise ValueError(f"{at}: a second row for {row['provider']!r} at {_case_text(key[1])}")
+            seen.add(key)
+        named = {row["provider"] for row in bench["rows"]}
+        for field in ("ours", "peers"):
+            for name in bench[field]:
+                if name not in named:
+                    raise ValueError(f"{where}.{field}: {name!r} has no row")
 
 
 def format_ratio(ratio):
