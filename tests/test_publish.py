@@ -556,3 +556,69 @@ def test_of_two_publishes_of_one_release_exactly_one_lands(tmp_path, tree):
     assert "immutable" in next(err for err, code in results if code == 2)
     winner = builds[[code for _, code in results].index(0)]
     assert snapshot(tree / "v1.0.0") == snapshot(tree / "stable") == snapshot(winner)
+
+
+# Found by a hostile test of the tool.
+
+
+def test_a_build_with_a_read_only_folder_does_not_block_later_publishes():
+    """copytree copies folder modes: the replaced dev/ lands in the work area with its read-only folder, and
+    removing it failed, and with it every later publish. Run as an unprivileged user (root ignores modes)."""
+    import pwd
+    import tempfile
+
+    user = "nobody" if os.geteuid() == 0 else None
+    # Under a folder that user can enter (pytest's own is private to root), with a copy of the tool and an
+    # interpreter that user can reach (the checkout's .venv may be private).
+    root = Path(tempfile.mkdtemp(prefix="publish-modes-"))
+    try:
+        os.chmod(root, 0o755)
+        build, tree = fake_build(root, "dev", "x"), git_tree(root / "site")
+        (build / "tutorials").chmod(0o555)
+        tool = shutil.copy(publish.__file__, root / "publish.py")
+        if user:
+            ids = pwd.getpwnam(user)
+            for path in [root, *root.rglob("*")]:
+                os.chown(path, ids.pw_uid, ids.pw_gid, follow_symlinks=False)
+        command = [shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin"), tool, str(build), str(tree), "main"]
+        for attempt in range(3):
+            result = subprocess.run(command, capture_output=True, text=True, user=user)
+            assert result.returncode == 0, f"publish {attempt + 1}: {result.stderr}"
+        assert not work_dir(tree).exists()
+    finally:
+        for folder, _, _ in os.walk(root):
+            os.chmod(folder, 0o755)
+        shutil.rmtree(root)
+
+
+def test_a_tree_without_stable_gets_it_back(tmp_path, tree):
+    (tree / "v2.0.0").mkdir()
+    (tree / "v2.0.0" / "index.html").write_text("two")
+    publish.publish(fake_build(tmp_path, "v1.0.0", "a"), tree, "v1.0.0")
+    assert (tree / "stable" / "index.html").read_text() == "two"  # the root redirects there
+    assert 'url=stable/"' in (tree / "index.html").read_text()
+
+
+@pytest.mark.parametrize("version", ["v1234567890.0.0", "v" + "9" * 5000 + ".0.0"], ids=["10 digits", "5000 digits"])
+def test_release_numbers_past_nine_digits_are_refused(tmp_path, tree, version):
+    with pytest.raises(publish.PublishError, match="version must be"):
+        publish.publish(fake_build(tmp_path, "x", "a"), tree, version)
+
+
+@pytest.mark.parametrize("base_url", ["repo", "repo/", "/a b/", "/x\n/", "https:/x/", '/"x/', "ftp://host/"])
+def test_base_urls_that_would_break_the_switcher_are_refused(tmp_path, tree, base_url):
+    with pytest.raises(publish.PublishError, match="base-url"):
+        publish.publish(fake_build(tmp_path, "dev", "a"), tree, "main", base_url=base_url)
+    assert {p.name for p in tree.iterdir()} == {".git"}
+
+
+@pytest.mark.parametrize("base_url", ["/", "/repo", "/repo/", "https://example.org/repo/"])
+def test_base_urls_from_the_root_or_absolute_are_accepted(tmp_path, tree, base_url):
+    publish.publish(fake_build(tmp_path, "dev", "a"), tree, "main", base_url=base_url)
+    assert switcher(tree)[0]["url"] == base_url.rstrip("/") + "/dev/"
+
+
+def test_a_build_path_that_is_not_utf8_is_reported_as_published(tmp_path, tree, capsys):
+    build = fake_build(tmp_path, "dev", "a").rename(Path(os.fsdecode(bytes(tmp_path) + b"/b\xff")))
+    assert publish.main([str(build), str(tree), "main"]) == 0
+    assert "published" in capsys.readouterr().out and (tree / "dev" / "index.html").is_file()

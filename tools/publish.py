@@ -42,12 +42,14 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
 
 # [0-9], not \d: \d also matches other scripts' digits, which would name a second folder for one release.
-RELEASE = re.compile(r"v(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)")
+# At most 9 digits a part: a longer number names no real release, and thousands of digits overflow int().
+RELEASE = re.compile(r"v(0|[1-9][0-9]{0,8})\.(0|[1-9][0-9]{0,8})\.(0|[1-9][0-9]{0,8})")
 SWITCHER = "switcher.json"
 LOCK = "gh-pages-publish.lock"
 WORK = "gh-pages-publish"
@@ -64,7 +66,16 @@ def folder_for(version):
         return "dev"
     if RELEASE.fullmatch(version):
         return version
-    raise PublishError(f"version must be 'main' or a release tag like v1.2.3 (no leading zeros), got {version!r}")
+    raise PublishError(f"version must be 'main' or a release tag like v1.2.3 (no leading zeros, at most 9 digits "
+                       f"a part), got {version!r:.80}")
+
+
+def check_base_url(base_url):
+    """The site's address as a path from the host's root (/repo/) or an absolute URL: a relative one would
+    make every switcher link relative to the page that shows it."""
+    if not re.fullmatch(r"(/|https?://[^/\s]+/)[^\s\\\"'<>]*", base_url):
+        raise PublishError(f"--base-url must start with / or http(s)://host/ and hold no spaces, quotes or "
+                           f"brackets, got {base_url!r:.80}")
 
 
 def release_key(name):
@@ -167,10 +178,21 @@ def stage(build, tree, staging, folder, base_url):
     copy_folder(build, staging / folder)
     if newest == folder:
         copy_folder(staging / folder, staging / "stable")
+    elif newest and not (tree / "stable").is_dir():
+        # The root redirects to stable/: a tree without it (made by hand, or by an older tool) gets it back.
+        copy_folder(tree / newest, staging / "stable")
     (staging / SWITCHER).write_text(json.dumps(switcher_entries(releases, has_dev, base_url), indent=2) + "\n")
     (staging / "index.html").write_text(redirect_page("stable/" if newest else "dev/"))
     (staging / ".nojekyll").write_text("")
     return [name for name in (folder, "stable", SWITCHER, "index.html", ".nojekyll") if (staging / name).exists()]
+
+
+def remove_tree(path):
+    """shutil.rmtree, after making every folder below path writable: copytree copies a build's folder
+    modes, and a read-only folder left in the work area would make every later publish fail."""
+    for folder, _, _ in os.walk(path):
+        os.chmod(folder, os.stat(folder).st_mode | stat.S_IRWXU)
+    shutil.rmtree(path)
 
 
 def roll_back(tree, work):
@@ -193,7 +215,7 @@ def roll_back(tree, work):
                 previous.rename(current)
         journal.unlink()
     if os.path.lexists(work):
-        shutil.rmtree(work)
+        remove_tree(work)
 
 
 def publish(build, tree, version, base_url="/", force=False):
@@ -201,6 +223,7 @@ def publish(build, tree, version, base_url="/", force=False):
     build, tree = Path(build).resolve(), Path(tree).resolve()
     if not base_url.endswith("/"):
         base_url += "/"
+    check_base_url(base_url)
     folder = folder_for(version)
     check_build(build, "dev" if folder == "dev" else version)
     gitdir = check_target(tree)
@@ -225,7 +248,10 @@ def publish(build, tree, version, base_url="/", force=False):
             roll_back(tree, work)
             raise
         # With the journal gone the publish stands, and what is left in work is litter the next run clears.
-        shutil.rmtree(work, ignore_errors=True)
+        try:
+            remove_tree(work)
+        except OSError:
+            pass
     return folder
 
 
@@ -244,7 +270,10 @@ def main(argv=None):
         message = str(error).replace("\r", "\\r").replace("\n", "\\n")
         print(f"publish: {message}", file=sys.stderr)
         return 2 if isinstance(error, PublishError) else 1
-    print(f"published {args.build} as {folder}/ in {args.tree}")
+    # A path that is not UTF-8 holds surrogates that no stdout can encode: show them escaped.
+    shown = [str(path).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+             for path in (args.build, args.tree)]
+    print(f"published {shown[0]} as {folder}/ in {shown[1]}")
     return 0
 
 
