@@ -314,23 +314,10 @@ def softmax_backward_kernel(y_ptr, dy_ptr, dx_ptr, N, dy_row_stride, dy_col_stri
 # launcher and saves :math:`y`, ``backward`` runs the kernel above, and the wrapper is skipped when
 # no graph is wanted, so that calls without one, such as the benchmark's, pay nothing for it.
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Lesson 01's input check and dtypes, under their own names here.
+check_input, SUPPORTED_DTYPES = FUSED.check_input, FUSED.SUPPORTED_DTYPES
 ROW_ON_CHIP_LIMIT = 32768  # longest row (elements) row_on_chip_kernel is launched for
 MAX_BLOCK = 2 ** 20  # the most elements Triton allows in one block
-
-
-def check_input(x):
-    """Raise a clear error for anything the kernels cannot handle."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"softmax expects a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 2:
-        raise ValueError(f"softmax expects a 2-D tensor (rows, columns), got shape {tuple(x.shape)}")
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"softmax supports float32, float16 and bfloat16, got {x.dtype}")
-    if x.numel() == 0:
-        raise ValueError(f"softmax needs at least one row and one column, got shape {tuple(x.shape)}")
-    if x.device.type != DEVICE.type:
-        raise ValueError(f"x is on device '{x.device}', but Triton runs these kernels on '{DEVICE.type}' here")
 
 
 def _check_block(name, value):
@@ -593,86 +580,15 @@ if __name__ == "__main__":
 # On a GPU, :math:`M = 4096` rows of 16K to 256K elements (under the interpreter, a few small
 # rows), in GB/s (:math:`2MN \times` element size over
 # time), beside ``torch.softmax``, ``torch.compile`` (GPU only) and the copy bandwidth measured in
-# this run. The row-on-chip kernel appears only where rows fit its limit.
+# this run, timed with lesson 01's harness. The row-on-chip kernel appears only where rows fit its
+# limit.
 
-import platform  # noqa: E402
-import time  # noqa: E402
-
-
-def describe_platform():
-    """What produced the numbers on this page."""
-    versions = f"torch {torch.__version__}, Triton {triton.__version__}"
-    if ON_GPU:
-        return f"GPU: {torch.cuda.get_device_name()} ({versions})"
-    return (f"Triton interpreter on CPU ({platform.processor() or platform.machine()}; {versions}): "
-            "these timings measure the interpreter, not a GPU")
-
-
-def warm_up(fn):
-    """Run fn on the GPU for 50 ms and return how many calls that took.
-
-    While the host compiles, the GPU idles and its clocks drop; do_bench sizes its repetitions from the
-    first few calls, so a kernel timed right after its compilation was timed on a cold GPU (seen on an
-    H100: 90 GB/s for a softmax that runs at 1000)."""
-    calls, start = 0, time.perf_counter()
-    while time.perf_counter() - start < 0.05:  # waiting each time: a queue of slow calls would take minutes
-        fn()
-        torch.cuda.synchronize()
-        calls += 1
-    return calls
-
-
-def bench_ms(fn):
-    """Time of fn() in milliseconds: do_bench's median on a GPU; under the interpreter the fastest of three
-    wall-clock runs, since on a shared CPU other processes only ever add time (a test run building the
-    site beside its test processes once slowed one copy 30-fold)."""
-    if ON_GPU:
-        warm_up(fn)
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    fn()
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * min(times)
-
-# A timing can also catch the host: a launch held up on the CPU (by another process, say) leaves the
-# GPU idle, and the clock counts it. So on a GPU every provider is timed ROUNDS times, the rounds in
-# alternating order (first to last, then last to first), and each keeps its fastest timing.
-ROUNDS = 2 if ON_GPU else 1
-
-
-def fastest_of_rounds(timers):
-    """{name: fastest milliseconds} of each timer in timers, each run ROUNDS times in alternating order."""
-    best = {}
-    for r in range(ROUNDS):
-        for name in (list(timers) if r % 2 == 0 else list(timers)[::-1]):
-            ms = timers[name]()
-            best[name] = min(ms, best.get(name, ms))
-    return {name: best[name] for name in timers}
-
-
-def copy_bandwidth_gbs():
-    """Device copy bandwidth (bytes read + written per second) on a buffer far larger than caches."""
-    n = (256 << 20) if ON_GPU else (8 << 20)
-    src = torch.randn(n // 4, device=DEVICE)
-    dst = torch.empty_like(src)
-    return 2 * n / bench_ms(lambda: dst.copy_(src)) * 1e-6
-
-
-def save_results(tutorial, benchmarks):
-    """Leave the measured numbers for the site's "Performance at a glance" page, when built by it."""
-    out = os.environ.get("TUTORIAL_RESULTS_DIR")
-    if not out:
-        return
-    import json
-
-    os.makedirs(out, exist_ok=True)
-    record = {"tutorial": tutorial, "platform": describe_platform(), "on_gpu": ON_GPU,
-              "date": time.strftime("%Y-%m-%d"), "benchmarks": benchmarks}
-    with open(os.path.join(out, tutorial + ".json"), "w") as f:
-        json.dump(record, f, indent=1)
+# Lesson 01's benchmark harness, under its own names here: what produced the numbers, the timing
+# (``bench_ms``, and ``fastest_of_rounds`` over ``ROUNDS`` rounds), the copy bandwidth and the
+# results left for the performance page.
+describe_platform, bench_ms, fastest_of_rounds, ROUNDS = (
+    FUSED.describe_platform, FUSED.bench_ms, FUSED.fastest_of_rounds, FUSED.ROUNDS)
+copy_bandwidth_gbs, save_results = FUSED.copy_bandwidth_gbs, FUSED.save_results
 
 
 OURS = {"three-pass": three_pass_softmax, "online (two-pass)": online_softmax,
