@@ -97,6 +97,10 @@ def _is_finite_positive(value):
         return False
 
 
+def _columns_text(columns):
+    return "(" + ", ".join(f"{name}: {kind.__name__}" for name, kind in sorted(columns.items())) + ")"
+
+
 def validate_record(record):
     """Check one results record against the contract above; raise ValueError naming the bad field."""
     _check_fields(record, FIELDS, "")
@@ -142,9 +146,8 @@ def validate_record(record):
                 if not isinstance(row[name], CASE_TYPES):
                     raise ValueError(f"{at}.{name}: expected a case value (text, number or bool), got {row[name]!r}")
             if columns is not None and case != columns:
-                raise ValueError(f"{at}: case columns {sorted(case)} (of types "
-                                 f"{[t.__name__ for _, t in sorted(case.items())]}) differ from the first row's "
-                                 f"{sorted(columns)} (of types {[t.__name__ for _, t in sorted(columns.items())]})")
+                raise ValueError(f"{at}: case columns {_columns_text(case)} differ from the first row's "
+                                 f"{_columns_text(columns)}")
             columns = case
             key = (row["provider"], _case_key(row))
             if key in seen:
