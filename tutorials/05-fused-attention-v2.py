@@ -238,7 +238,9 @@ def attn_fwd_kernel(
     D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, NEGATIVE_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    start_m = tl.program_id(0)
+    # Under a causal mask, the last query block first: it has the most keys, and the GPU starts programs
+    # roughly in order, so the ones that start last, as the GPU runs dry, are the shortest.
+    start_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # b * stride can pass 2**31 elements
     b, h = bh // H, bh % H
     rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -680,7 +682,7 @@ def attn_bwd_dq_kernel(
 ):
     # This kernel's query block is BLOCK_N rows and its key block BLOCK_M: the dK, dV pass's names
     # turned round, so that one list of (small, large) candidate pairs serves both passes.
-    start_m = tl.program_id(0) * BLOCK_N
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)) * BLOCK_N  # as in the forward
     bh = tl.program_id(1).to(tl.int64)  # b * stride can pass 2**31 elements
     b, h = bh // H, bh % H
     rows = start_m + tl.arange(0, BLOCK_N)

@@ -351,7 +351,7 @@ def _ws_barrier_ring(STAGES: gl.constexpr, ARRIVALS: gl.constexpr):
 def attn_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, qk_scale, H, N, sob, soh, son,
                        D: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr, LOADER_REGISTERS: gl.constexpr):
-    start_m = gl.program_id(0)
+    start_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)  # as in lesson 05
     bh = gl.program_id(1)
     b = bh // H
     h = bh % H
