@@ -20,7 +20,7 @@ def gluon_where_it_runs(attention):
     def run(q, k, v, causal, sm_scale, **options):
         try:
             runs = HOPPER_FWD.warp_specialized_unsupported(q, k, v, float(sm_scale)) is None
-        except (AttributeError, TypeError, ValueError):  # bad input: attention's own checks say what is wrong
+        except (AttributeError, TypeError, ValueError, OverflowError):  # bad input: attention says why
             runs = False
         return attention(q, k, v, causal, sm_scale, warp_specialized=True if runs else None, **options)
     return run
