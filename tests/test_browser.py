@@ -184,6 +184,9 @@ HEADER_ITEMS = """() => [...document.querySelectorAll([
 # The start of each block of printed output that scrolls sideways instead of wrapping.
 WIDE_OUTPUT = """() => [...document.querySelectorAll('div.sphx-glr-script-out pre')]
   .filter(pre => pre.scrollWidth > pre.clientWidth + 1).map(pre => pre.innerText.slice(0, 80))"""
+# How far the article column scrolls sideways: code cells and tables scroll inside their own boxes.
+WIDE_ARTICLE = """() => { const a = document.querySelector('.bd-article-container');
+  return a ? a.scrollWidth - a.clientWidth : 0; }"""
 # Each plot as [src, loaded, natural width, shown width].
 PLOTS = """() => [...document.querySelectorAll('img.sphx-glr-single-img, img.sphx-glr-multi-img')]
   .map(img => [img.getAttribute('src'), img.complete, img.naturalWidth, img.getBoundingClientRect().width])"""
@@ -210,6 +213,7 @@ def test_page_reads_well_offline(served_site, browser, path, width):
         assert all(top <= middle <= bottom for _, top, bottom in items), f"header items on several rows: {items}"
 
         assert not page.evaluate(WIDE_OUTPUT), "printed output scrolls sideways"
+        assert page.evaluate(WIDE_ARTICLE) <= 1, "the article column scrolls sideways"
 
         typeset = page.evaluate(TYPESET)
         assert all(typeset), f"{typeset.count(False)} of {len(typeset)} formulas were not typeset"
