@@ -405,7 +405,9 @@ def _ws_backward(q, k, v, do, lse, delta, causal, sm_scale):
 # Three backwards can follow either forward: this lesson's Gluon kernel, lesson 05's two-pass one
 # and lesson 05's atomic one. Which is fastest depends on the case, so ``attention`` runs the one
 # that the sweep (``python tools/tune.py attention``) measured fastest for it, recorded in
-# ``BACKWARD_PATHS``, and the forward that lesson 06's table names. The arguments can overrule the
+# ``BACKWARD_PATHS``, and the forward that lesson 06's table names. (As there, the sweep ran before
+# this build; the line under the benchmark's table counts the cases where this build's timings
+# agree with it.) The arguments can overrule the
 # tables: ``atomic_dq=False`` asks for the two-pass backward, whose :math:`dQ` has the same bits on
 # every run; ``atomic_dq=True`` for an atomic one (the Gluon kernel where it runs, lesson 05's
 # elsewhere); ``warp_specialized=True`` for the Gluon kernels, forward and backward, and ``False``
@@ -481,7 +483,7 @@ class _AttentionHopper(torch.autograd.Function):
 
 
 def attention(q, k, v, causal, sm_scale, atomic_dq=None, warp_specialized=None):
-    """softmax(q k^T * sm_scale) v with the fastest forward and backward measured for the case.
+    """softmax(q k^T * sm_scale) v with the forward and backward that tools/tune.py measured fastest for the case.
 
     ``atomic_dq``: None lets the measurement choose; False runs the two-pass backward (the same bits every
     run); True an atomic one (Gluon's TMA reductions on Hopper, lesson 05's atomics elsewhere), whose last
@@ -506,7 +508,7 @@ if __name__ == "__main__":
     print("The Gluon backward runs here." if reason is None else
           f"The Gluon backward did not run on this machine: {reason}. The checks and timings below are of the "
           "portable fallback (lesson 05's kernels).")
-    # At this length the tables pick lesson 05's kernels, which lesson 05 checks: insist on Gluon here.
+    # At this length the tables pick lesson 05's kernels in some cases (lesson 05 checks them): insist on Gluon.
     checked = functools.partial(attention, warp_specialized=None if reason else True)
     for D in (64, 128):
         for dtype in (torch.float16, torch.bfloat16):
