@@ -405,13 +405,14 @@ def _ws_backward(q, k, v, do, lse, delta, causal, sm_scale):
 # Three backwards can follow either forward: this lesson's Gluon kernel, lesson 05's two-pass one
 # and lesson 05's atomic one. Which is fastest depends on the case, so ``attention`` runs the one
 # that the sweep (``python tools/tune.py attention``) measured fastest for it, recorded in
-# ``BACKWARD_PATHS``, and the forward that lesson 06's table names. (As there, the sweep ran before
-# this build; the line under the benchmark's table counts the cases where this build's timings agree
-# with it.) The arguments can overrule the tables: ``atomic_dq=False`` asks for the two-pass
-# backward, whose :math:`dQ` has the same bits on every run; ``atomic_dq=True`` for an atomic one
-# (the Gluon kernel where it runs, lesson 05's elsewhere); ``warp_specialized=True`` for the Gluon
-# kernels, forward and backward, and ``False`` for lesson 05's. A case the tables do not cover runs
-# Gluon where it can, and otherwise the two-pass backward.
+# ``BACKWARD_PATHS``, and the forward that lesson 06's table names. (As there, a path's time is the
+# slower of its GPU time and the host's time per call, and the sweep ran before this build; the line
+# under the benchmark's table counts the cases where this build's timings agree with it.) The
+# arguments can overrule the tables: ``atomic_dq=False`` asks for the two-pass backward, whose
+# :math:`dQ` has the same bits on every run; ``atomic_dq=True`` for an atomic one (the Gluon kernel
+# where it runs, lesson 05's elsewhere); ``warp_specialized=True`` for the Gluon kernels, forward
+# and backward, and ``False`` for lesson 05's. A case the tables do not cover runs Gluon where it
+# can, and otherwise the two-pass backward.
 
 # BEGIN tools/tune.py backward paths: written by the sweep; run it again rather than edit these lines.
 BACKWARD_PATHS = {
