@@ -212,9 +212,10 @@ if __name__ == "__main__":
 # The loop has a cost in registers: compiled offline as above, the persistent kernel spills 112 to
 # 124 bytes per thread at 32,768 columns (none at 16,384), where the one-row kernel spills nothing.
 # And a long row needs no neighbours to be worth a program. So the launcher keeps the grid
-# persistent only for rows shorter than ``LONG_ROW`` elements; longer rows get one program per
-# tile of the same kernel (a GPU sweep with ``tools/tune.py softmax`` set the limit). On a GPU the
-# benchmark goes up to 32,768 columns.
+# persistent only where a row's power-of-two width is below ``LONG_ROW`` elements, and hands longer
+# rows to step 1's kernel, one program per row, which holds its row without the loop (GPU
+# measurements, quoted at ``LONG_ROW``, set the limit). On a GPU the benchmark goes up to 32,768
+# columns.
 
 
 @triton.jit
@@ -292,21 +293,25 @@ def _persistent_grid(args, meta, num_warps, row_tiles):
     return min(row_tiles, _occupancy[key])
 
 
-# From this many columns on, a row is work enough for one program, and the loop only costs registers:
-# one program per tile ran faster in a sweep on an H100 on 2026-11-22 (at 8,192 columns, 99% of a
-# same-size copy against 96% persistent in fp32, and 98% against 94% in bf16).
-LONG_ROW = 8192
+# From this many columns on, a row is work enough for one program, and the loop only costs registers.
+# On an H100 (Triton 3.6), in three cold builds of this site and a probe after them, step 1's kernel
+# ran at 4,096 columns at 97% to 101% of a same-size copy, the persistent tiles at 93% to 99%, in
+# fp32 and bf16 alike; and this lesson's kernel run with one row per tile trailed step 1's at
+# 12,288 bf16 columns, 91% against 95% to 96% every time.
+LONG_ROW = 4096
 
 
 def _persistent(x):
-    """Forward only: launch softmax_kernel on a prepared input, persistent below LONG_ROW columns."""
+    """Forward only: softmax_kernel's persistent row tiles on a prepared input below LONG_ROW columns,
+    step 1's kernel from there on."""
     M, N = x.shape
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     BLOCK_M, BLOCK_N, num_warps = _tile_shape(N)
+    if BLOCK_N >= LONG_ROW:
+        return _one_row_per_program(x)
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     args = (x, y, M, N, x.stride(0), x.stride(1), y.stride(0))
     meta = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=1)
-    tiles = triton.cdiv(M, BLOCK_M)
-    grid = tiles if BLOCK_N >= LONG_ROW else _persistent_grid(args, meta, num_warps, tiles)
+    grid = _persistent_grid(args, meta, num_warps, triton.cdiv(M, BLOCK_M))
     softmax_kernel[(grid,)](*args, **meta, num_warps=num_warps)
     return y
 
@@ -414,8 +419,8 @@ def softmax_one_row_per_program(x):
 
 
 def softmax(x):
-    """Row-wise softmax by persistent programs over row tiles (step 2); differentiable.
-    Returns a new contiguous tensor."""
+    """Row-wise softmax by persistent programs over row tiles (step 2), rows of LONG_ROW columns or more
+    by step 1's kernel; differentiable. Returns a new contiguous tensor."""
     return _differentiable(_persistent, _prepare(x))
 
 
@@ -642,7 +647,8 @@ if __name__ == "__main__":
 # -------------------------------
 # The same numbers as the results table above, one panel per dtype. The dashed line is the
 # large-buffer copy bandwidth, drawn behind the curves; the dotted grey curve is the copy of the
-# same tensor.
+# same tensor. From ``LONG_ROW`` columns on, the two Triton curves run the same kernel: the gap
+# between them there is how far two timings of one kernel differ in this run.
 
 if __name__ == "__main__":
     # Shown about 710 px wide on a desktop page: at 8 inches and 100 dpi, 10-point text reads as 9 points.
