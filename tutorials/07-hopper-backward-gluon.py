@@ -141,8 +141,8 @@ if __name__ == "__main__":
 # %%
 # What decided its speed
 # ----------------------
-# Four details, each found by measuring against the two-pass backward (the engineering notes of
-# this site keep those measurements, with the GPU, versions and commits):
+# Five details, each found by measuring (the engineering notes of this site keep those
+# measurements, with the GPU, versions and commits):
 #
 # * **Bulk reductions, not element atomics.** One ``red.global.add.f32`` per element of
 #   :math:`dQ` keeps the L2 cache busy with tiny transactions; a TMA reduction sends a whole tile.
@@ -165,6 +165,12 @@ if __name__ == "__main__":
 #   since a second loop made the compiler spill in both.
 # * **Overlap.** :math:`dK`'s product is issued after :math:`dQ`'s, so the wait for :math:`dQ`
 #   leaves it running while the tile is stored and sent.
+# * **Wide stores, where they pay.** ``wgmma`` leaves each thread pairs of adjacent values of
+#   :math:`dK` and :math:`dV`, so stores straight from its layout are 4 bytes wide. Without the
+#   causal mask the consumers first rearrange them into lesson 06's store layout, 8 adjacent values
+#   per thread: 16-byte, coalesced stores, the same bits, and 1% to 13% less GPU time than storing
+#   straight (most at :math:`N = 1024`, where the stores weigh most). With the mask, the same change
+#   measured 8% to 12% slower at :math:`D = 128`, so there they are stored straight.
 #
 # Where the TMA box crosses the end of the sequence, the loads fill zeros and the reductions skip
 # the rows past :math:`N`, so no query block needs a bounds mask. :math:`dQ` is summed in an fp32
@@ -312,11 +318,21 @@ def _ws_bwd_consumer(GROUP: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_s
         dk, dv = _ws_bwd_step(j, j - first, dk, dv, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem,
                               dq_smem, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, desc_dq, b, h, first_key,
                               unmasked_from, qk_scale, sm_scale, GROUP, CAUSAL, STAGES, t_layout, a_layout, q_layout)
-    keys = first_key + gl.arange(0, ROWS, gl.SliceLayout(1, g_layout))
+    dk = (dk * sm_scale).to(DK.dtype.element_ty)
+    dv = dv.to(DV.dtype.element_ty)
+    if CAUSAL:
+        out_layout: gl.constexpr = g_layout
+    else:
+        # Without the mask, dK and dV leave through the forward's 16-byte store layout (lesson 06); with
+        # it, the rearrangement cost more than it saved (the text before the kernel gives both).
+        out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [4, 1], [1, 0])
+        dk = gl.convert_layout(dk, out_layout)
+        dv = gl.convert_layout(dv, out_layout)
+    keys = first_key + gl.arange(0, ROWS, gl.SliceLayout(1, out_layout))
     # 64-bit: B * H * N * D can pass 2**31 elements.
-    out = bh.to(gl.int64) * N * D + keys[:, None] * D + gl.arange(0, D, gl.SliceLayout(0, g_layout))[None, :]
-    gl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=keys[:, None] < N)
-    gl.store(DV + out, dv.to(DV.dtype.element_ty), mask=keys[:, None] < N)
+    out = bh.to(gl.int64) * N * D + keys[:, None] * D + gl.arange(0, D, gl.SliceLayout(0, out_layout))[None, :]
+    gl.store(DK + out, dk, mask=keys[:, None] < N)
+    gl.store(DV + out, dv, mask=keys[:, None] < N)
 
 
 @gluon.jit(do_not_specialize=["N"])  # Triton 3.6 fails to compile this kernel with N = 1 specialized in
@@ -356,12 +372,15 @@ def attn_bwd_ws_kernel(desc_q, desc_k, desc_v, desc_do, desc_lse, desc_delta, de
     do_full = _ws_barrier_ring(STAGES, 1)
     q_empty = _ws_barrier_ring(STAGES, 2)
     do_empty = _ws_barrier_ring(STAGES, 2)
-    shared = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_full, q_full, q_empty,
-              do_full, do_empty, ds_ready, ds_free, desc_dq, DK, DV, qk_scale, sm_scale, b, h, bh, start_n, N, first,
-              unmasked_from, last, CAUSAL, STAGES)
+    # The argument tuples are written out in the call, as in lesson 06: a tuple stored in a variable
+    # first would turn CAUSAL and STAGES into run-time values.
     gl.warp_specialize([
-        (_ws_bwd_consumer, (0,) + shared),
-        (_ws_bwd_consumer, (1,) + shared),
+        (_ws_bwd_consumer, (0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_full,
+                            q_full, q_empty, do_full, do_empty, ds_ready, ds_free, desc_dq, DK, DV, qk_scale, sm_scale,
+                            b, h, bh, start_n, N, first, unmasked_from, last, CAUSAL, STAGES)),
+        (_ws_bwd_consumer, (1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_full,
+                            q_full, q_empty, do_full, do_empty, ds_ready, ds_free, desc_dq, DK, DV, qk_scale, sm_scale,
+                            b, h, bh, start_n, N, first, unmasked_from, last, CAUSAL, STAGES)),
         (_ws_bwd_loader, (desc_q, desc_k, desc_v, desc_do, desc_lse, desc_delta, q_smem, k_smem, v_smem, do_smem,
                           lse_smem, delta_smem, kv_full, q_full, q_empty, do_full, do_empty, b, h, bh, start_n, first,
                           last, BLOCK_M, STAGES)),
