@@ -443,17 +443,17 @@ def _ws_forward(q, k, v, o, lse, causal, sm_scale):
 # that tuned lesson 05's tiles (``python tools/tune.py attention``), which also timed both forwards
 # as a user calls them and recorded the faster one per case in ``FORWARD_PATHS``. A path's time
 # there is the slower of two: its GPU time, and the host's time to enqueue one call. A training loop
-# calls back to back, so whichever is slower sets its pace; at :math:`N = 1024` that is the host
-# (last section), and the path that asks the host for less wins. With ``warp_specialized=None``
+# calls back to back, so whichever is slower sets its pace. At :math:`N = 1024` the host's time is
+# about as long as the GPU's or longer (the last section measures both), and there the path that
+# asks the host for less can win with more GPU time. Called with ``warp_specialized=None``,
 # ``attention`` runs the table's path; a case the table does not cover runs Gluon where it can. The
 # sweep ran before this page's build (lesson 05's ``TUNED_ON`` says on which GPU), and this page's
 # benchmark times differently: it clears L2 before each call, which gives the host a head start. So
 # at the shortest lengths its timings can disagree with the table, and the line under the
-# benchmark's table counts how often they did.
-# ``True`` insists on Gluon, with an error that says why when it cannot run, and ``False`` asks for
-# the portable kernel. Both forwards write the same output and the same :math:`\mathrm{LSE}_2`, so
-# the backward is the previous lesson's two-pass backward either way. (The next lesson replaces it
-# on Hopper.)
+# benchmark's table counts how often they did. ``True`` insists on Gluon, with an error that says
+# why when it cannot run, and ``False`` asks for the portable kernel. Both forwards write the same
+# output and the same :math:`\mathrm{LSE}_2`, so the backward is the previous lesson's two-pass
+# backward either way. (The next lesson replaces it on Hopper.)
 
 # BEGIN tools/tune.py forward paths: written by the sweep; run it again rather than edit these lines.
 FORWARD_PATHS = {
