@@ -752,8 +752,8 @@ if __name__ == "__main__":
         "rows": results.drop(columns="spread").to_dict("records") + defaults}])
 
 # %%
-# Where the gap at the smallest size comes from
-# ---------------------------------------------
+# Host time and GPU time at the smallest size
+# -------------------------------------------
 # At :math:`N = 1024` a forward pass is a few dozen microseconds of GPU work, and launching it is
 # not free: the autograd function, the input checks and Triton's binding of some twenty arguments
 # run in Python on every call, and the Gluon forward also builds three TMA descriptors. When the
@@ -765,9 +765,11 @@ if __name__ == "__main__":
 # host's time to enqueue one call (without waiting for the GPU; the fastest of five loops of 50
 # calls, as the benchmark keeps its fastest timing), the GPU's own time per call (the sum
 # of its kernels' durations from the CUDA profiler), for both forwards and for cuDNN, and the write.
-# Host times vary from machine to machine far more than GPU times do, so at this size the ratios on
-# this page depend on the build machine's processor. (The usual cures for host time are CUDA graphs,
-# which replay a whole sequence of launches at once, or more work per call.)
+# Host times vary from machine to machine far more than GPU times do: where the cell finds the GPU
+# waiting, the ratios at this size depend on the build machine's processor; where it finds none
+# waiting, the gap to cuDNN at this size is GPU time, and the cell gives its ratio. (The usual cures
+# for host time are CUDA graphs, which replay a whole sequence of launches at once, or more work per
+# call.)
 
 
 def kernel_ms(fn, calls=20):

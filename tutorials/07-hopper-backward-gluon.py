@@ -602,12 +602,12 @@ if __name__ == "__main__":
 # %%
 # The host at the smallest size
 # -----------------------------
-# At the smallest size the host matters most, for the reason of lesson 06: a
+# At the smallest size the host's share of a call is largest, for the reason of lesson 06: a
 # backward call is a few Python launches (two kernels for the two-pass backward; the preprocess and
 # one kernel for the atomic and Gluon ones) after PyTorch's autograd engine, and the host's time to
-# enqueue them can exceed the GPU's time to run them. The same split as in lesson 06, for each
-# backward at the smallest size: the host's time per call, and the GPU's, from the profiler (both
-# include autograd adding each gradient into ``.grad``).
+# enqueue them can exceed the GPU's time to run them. Whether it does is a measurement: the same
+# split as in lesson 06, for each backward at the smallest size, the host's time per call and the
+# GPU's, from the profiler (both include autograd adding each gradient into ``.grad``).
 
 if __name__ == "__main__" and ON_GPU:
     N = sizes[0]
