@@ -530,14 +530,14 @@ def describe_platform():
             "these timings measure the interpreter, not a GPU")
 
 
-def warm_up(fn):
-    """Run fn on the GPU for 50 ms and return how many calls that took.
+def warm_up(fn, seconds=0.05):
+    """Run fn on the GPU for `seconds` (50 ms unless asked) and return how many calls that took.
 
     While the host compiles, the GPU idles and its clocks drop; do_bench sizes its repetitions from the
     first few calls, so a kernel timed right after its compilation was timed on a cold GPU (seen on an
     H100: 90 GB/s for a softmax that runs at 1000)."""
     calls, start = 0, time.perf_counter()
-    while time.perf_counter() - start < 0.05:  # waiting each time: a queue of slow calls would take minutes
+    while time.perf_counter() - start < seconds:  # waiting each time: a queue of slow calls would take minutes
         fn()
         torch.cuda.synchronize()
         calls += 1
@@ -574,10 +574,8 @@ def matmul_tflops():
     that the benchmarks' kernels, run one after another, meet."""
     n = 8192 if ON_GPU else 256
     a, b = (torch.randn(n, n, device=DEVICE, dtype=torch.float16 if ON_GPU else torch.float32) for _ in range(2))
-    start = time.perf_counter()
-    while ON_GPU and time.perf_counter() - start < 1.0:
-        a @ b
-        torch.cuda.synchronize()
+    if ON_GPU:
+        warm_up(lambda: a @ b, seconds=1.0)
     return 2 * n**3 / bench_ms(lambda: a @ b) * 1e-9
 
 
