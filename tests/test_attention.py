@@ -338,17 +338,15 @@ def test_benchmark_rounds_alternate_and_drop_a_failing_provider(monkeypatch, cap
     assert "broken skipped at N=7: no kernel for this case" in capsys.readouterr().out
 
 
-def test_a_provider_whose_two_fastest_timings_disagree_is_timed_again(monkeypatch):
+def test_a_provider_whose_two_fastest_timings_disagree_is_timed_again(monkeypatch, disagreeing_timings):
     monkeypatch.setattr(V1, "ROUNDS", 2)
     monkeypatch.setattr(V1, "MAX_TIMINGS", 4)
     monkeypatch.setattr(V1, "AGREE", 0.25)
-    sequences = {"steady": [1.0, 1.2], "disturbed": [1.0, 2.0, 1.1], "always": [1.0, 3.0, 3.0, 3.0, 3.0],
-                 "slow first": [3.0, 1.0, 1.2]}
 
     def timer(name):
-        return lambda: sequences[name].pop(0)
+        return lambda: disagreeing_timings[name].pop(0)
 
-    times = V1.measure_in_rounds({(name, "fwd"): timer(name) for name in sequences}, "N=7")
+    times = V1.measure_in_rounds({(name, "fwd"): timer(name) for name in disagreeing_timings}, "N=7")
     assert times == {("steady", "fwd"): [1.0, 1.2],  # within 25%: two timings
                      ("disturbed", "fwd"): [1.0, 2.0, 1.1],  # a third agrees with the first: done
                      ("always", "fwd"): [1.0, 3.0, 3.0, 3.0],  # never agrees: stops at MAX_TIMINGS

@@ -12,7 +12,7 @@ from lessons import load, stems
 
 LESSONS = stems()
 SHARED_HELPERS = ["describe_platform", "warm_up", "bench_ms", "save_results", "matmul_tflops", "check_input",
-                  "copy_bandwidth_gbs", "load_sibling", "fastest_of_rounds"]
+                  "copy_bandwidth_gbs", "load_sibling", "fastest_of_rounds", "retime_disagreeing"]
 
 
 @pytest.mark.parametrize("helper", SHARED_HELPERS)

@@ -522,22 +522,20 @@ def test_gradient_with_columns_past_2_31_elements(name, rng):
     torch.testing.assert_close(leaf.grad.double(), leaf64.grad, rtol=tol, atol=tol * dy.abs().max().item())
 
 
-def test_benchmark_rounds_alternate_and_retime_a_disturbed_provider(monkeypatch):
+def test_benchmark_rounds_alternate_and_retime_a_disturbed_provider(monkeypatch, disagreeing_timings):
     monkeypatch.setattr(LESSON_01, "ROUNDS", 2)
     monkeypatch.setattr(LESSON_01, "MAX_TIMINGS", 4)
     monkeypatch.setattr(LESSON_01, "AGREE", 0.25)
-    sequences = {"steady": [1.0, 1.2], "disturbed": [1.0, 2.0, 1.1], "always": [1.0, 3.0, 3.0, 3.0, 3.0],
-                 "slow first": [3.0, 1.0, 1.2]}
     calls = []
 
     def timer(name):
         def run():
             calls.append(name)
-            return sequences[name].pop(0)
+            return disagreeing_timings[name].pop(0)
         return run
 
-    best = LESSON_01.fastest_of_rounds({name: timer(name) for name in sequences})
+    best = LESSON_01.fastest_of_rounds({name: timer(name) for name in disagreeing_timings})
     assert best == {"steady": 1.0, "disturbed": 1.0, "always": 1.0, "slow first": 1.0}
-    # Two rounds, first to last and back; then the disturbed providers again, up to four timings each.
+    # Two rounds, first to last and back; then passes over the disturbed providers, up to four timings each.
     assert calls[:8] == ["steady", "disturbed", "always", "slow first", "slow first", "always", "disturbed", "steady"]
-    assert calls[8:] == ["disturbed", "always", "always", "slow first"]
+    assert calls[8:] == ["disturbed", "always", "slow first", "always"]

@@ -631,6 +631,17 @@ ROUNDS = 2 if ON_GPU else 1
 AGREE, MAX_TIMINGS = 0.25, 4
 
 
+def retime_disagreeing(times, timers):
+    """times ({key: [ms, ...]}) after passes that time again each timers[key] whose two fastest timings differ
+    by more than AGREE, one more timing per pass, until it has MAX_TIMINGS of them."""
+    for _ in range(MAX_TIMINGS - ROUNDS if ROUNDS > 1 else 0):
+        for key, ms in times.items():
+            fastest, second = sorted(ms)[:2]
+            if second > (1 + AGREE) * fastest:
+                ms.append(timers[key]())
+    return times
+
+
 def measure_in_rounds(timers, label):
     """{(provider, mode): [ms, ...]}, each timer run ROUNDS times, and again (up to MAX_TIMINGS) while its two
     fastest timings differ by more than AGREE; a provider that fails here is left out."""
@@ -644,13 +655,7 @@ def measure_in_rounds(timers, label):
             except RuntimeError as error:  # a backend that does not support this case here
                 print(f"{key[0]} skipped at {label}: {str(error).splitlines()[0][:100]}")
                 failed.add(key[0])
-    times = {key: ms for key, ms in times.items() if key[0] not in failed}
-    for _ in range(MAX_TIMINGS - ROUNDS if ROUNDS > 1 else 0):
-        for key, ms in times.items():
-            fastest, second = sorted(ms)[:2]
-            if second > (1 + AGREE) * fastest:
-                ms.append(timers[key]())
-    return times
+    return retime_disagreeing({key: ms for key, ms in times.items() if key[0] not in failed}, timers)
 
 
 def run_benchmark(cases, sizes, providers, modes, extra_timers=None):
