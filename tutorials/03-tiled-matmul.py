@@ -328,6 +328,7 @@ if __name__ == "__main__":
 # ``torch.matmul`` (cuBLAS on a GPU). The ceiling is ``torch.matmul``'s rate on an 8192 x 8192 fp16
 # product (256 x 256 fp32 on a CPU), measured in this run by the helper the attention lessons use.
 
+import functools  # noqa: E402
 import platform  # noqa: E402
 import time  # noqa: E402
 
@@ -400,6 +401,37 @@ def save_results(tutorial, benchmarks):
         json.dump(record, f, indent=1)
 
 
+# A single timing per provider lets chance decide between close providers. At n = 1024 a product
+# takes microseconds, and the host's time to launch it can set the pace: one timing each put grouped
+# order anywhere from 0.4x to 3.2x row-major order across five H100 builds of this page, with the
+# same tile. So, as in lesson 01, on a GPU every provider is timed ROUNDS times in alternating order
+# (first to last, then last to first), keeps its fastest timing, and is timed again (up to
+# MAX_TIMINGS times) while its two fastest timings differ by more than AGREE.
+ROUNDS = 2 if ON_GPU else 1
+AGREE, MAX_TIMINGS = 0.25, 4
+
+
+def retime_disagreeing(times, timers):
+    """times ({key: [ms, ...]}) after passes that time again each timers[key] whose two fastest timings differ
+    by more than AGREE, one more timing per pass, until it has MAX_TIMINGS of them."""
+    for _ in range(MAX_TIMINGS - ROUNDS if ROUNDS > 1 else 0):
+        for key, ms in times.items():
+            fastest, second = sorted(ms)[:2]
+            if second > (1 + AGREE) * fastest:
+                ms.append(timers[key]())
+    return times
+
+
+def fastest_of_rounds(timers):
+    """{name: fastest milliseconds} of each timer in timers, each run ROUNDS times in alternating order, and
+    again (up to MAX_TIMINGS) while its two fastest timings differ by more than AGREE."""
+    times = {name: [] for name in timers}
+    for r in range(ROUNDS):
+        for name in (list(timers) if r % 2 == 0 else list(timers)[::-1]):
+            times[name].append(timers[name]())
+    return {name: min(ms) for name, ms in retime_disagreeing(times, timers).items()}
+
+
 CEILING_NAME = "torch.matmul, 8192 x 8192 fp16" if ON_GPU else "torch.matmul, 256 x 256 fp32 on the CPU"
 ORDERS = {"Triton, grouped order": GROUP_M, "Triton, row-major order": 1}
 
@@ -409,12 +441,14 @@ def run_benchmark(sizes):
     rows, tiles = [], {}
     for n in sizes:
         a, b = (torch.randn(n, n, device=DEVICE, dtype=torch.float16) for _ in range(2))
-        tflops = lambda ms: 2 * n**3 / ms * 1e-9  # noqa: E731
-        # Grouped order runs first: its first call autotunes, and row-major then reuses the same tile.
-        for name, group_m in ORDERS.items():
-            rows.append(dict(size=n, provider=name, value=tflops(bench_ms(lambda: matmul(a, b, group_m)))))
+        # Grouped order's first call autotunes, before any timing; row-major then reuses the same tile.
+        matmul(a, b, GROUP_M)
+        timers = {name: functools.partial(bench_ms, functools.partial(matmul, a, b, group_m))
+                  for name, group_m in ORDERS.items()}
+        timers["torch.matmul"] = functools.partial(bench_ms, functools.partial(torch.matmul, a, b))
+        for name, ms in fastest_of_rounds(timers).items():
+            rows.append(dict(size=n, provider=name, value=2 * n**3 / ms * 1e-9))
         tiles[n] = matmul_kernel.best_config.kwargs
-        rows.append(dict(size=n, provider="torch.matmul", value=tflops(bench_ms(lambda: a @ b))))
     return rows, tiles
 
 
