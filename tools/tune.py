@@ -229,9 +229,7 @@ def tune_attention():
                     elif mode == "fwd":
                         host[path, mode] = FWD.host_ms(forwards[path])
                     else:
-                        out = backwards[path](q, k, v)
-                        host[path, mode] = FWD.host_ms(functools.partial(out.backward, torch.randn_like(out),
-                                                                         retain_graph=True))
+                        host[path, mode] = FWD.host_ms(V1.backward_call(backwards[path], q, k, v))
                 cost = {key: max(min(ms), host[key]) for key, ms in measured.items()}
                 forward = {path: ms for (path, mode), ms in cost.items() if mode == "fwd"}
                 backward_times = {path: ms for (path, mode), ms in cost.items() if mode == "bwd"}

@@ -612,11 +612,15 @@ PEERS = ("SDPA cuDNN", "SDPA flash", "SDPA mem-efficient") if ON_GPU else ("SDPA
 OURS = "Triton v1 (this lesson)"
 
 
+def backward_call(fn, q, k, v):
+    """The backward pass of fn(q, k, v) alone, as a call to repeat: the forward runs once, now."""
+    o = fn(q, k, v)
+    return functools.partial(o.backward, torch.randn_like(o), retain_graph=True)
+
+
 def backward_ms(fn, q, k, v):
     """Time of the backward pass alone: the forward runs once, outside the timing."""
-    o = fn(q, k, v)
-    do = torch.randn_like(o)
-    return bench_ms(lambda: o.backward(do, retain_graph=True))
+    return bench_ms(backward_call(fn, q, k, v))
 
 
 # A GPU's speed drifts while it runs (its clocks follow its temperature and power draw): one kernel

@@ -623,9 +623,7 @@ if __name__ == "__main__" and ON_GPU:
                 fns["Gluon"] = lambda q, k, v: attention(q, k, v, causal, scale, warp_specialized=True)
             host, gpu = {}, {}
             for name, fn in fns.items():
-                o = fn(q, k, v)
-                do = torch.randn_like(o)
-                call = functools.partial(o.backward, do, retain_graph=True)
+                call = V2.V1.backward_call(fn, q, k, v)
                 host[name], gpu[name] = FWD.host_ms(call), sum(FWD.kernel_ms(call).values())
             ours = min((name for name in fns if name != "SDPA cuDNN"), key=gpu.get)
             print(f"D={D:3d} {'causal    ' if causal else 'non-causal'} N={N}: " + ", ".join(
@@ -650,9 +648,7 @@ BACKWARD_PRODUCTS = {"attn_bwd_preprocess_kernel": 0, "attn_bwd_dkdv_kernel": 4,
 
 def backward_kernel_ms(fn, q, k, v, passes=3):
     """{kernel name: GPU milliseconds per backward pass} of the backward's own kernels (lesson 06's profiler)."""
-    o = fn(q, k, v)
-    do = torch.randn_like(o)
-    times = FWD.kernel_ms(lambda: o.backward(do, retain_graph=True), passes)  # its first call tunes, unprofiled
+    times = FWD.kernel_ms(V2.V1.backward_call(fn, q, k, v), passes)  # its first call tunes, unprofiled
     return {name: ms for name, ms in times.items() if name in BACKWARD_PRODUCTS}
 
 
