@@ -445,7 +445,7 @@ BACKWARD_PATHS = {
     (64, True, 4096): 'gluon',
     (64, True, 8192): 'gluon',
     (64, True, 16384): 'gluon',
-    (128, False, 1024): 'atomic',
+    (128, False, 1024): 'two-pass',
     (128, False, 2048): 'gluon',
     (128, False, 4096): 'gluon',
     (128, False, 8192): 'gluon',
