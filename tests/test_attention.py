@@ -682,6 +682,21 @@ def test_the_tuned_tables_cover_every_case_with_valid_choices():
     assert set(HOPPER.BACKWARD_PATHS.values()) <= {"gluon", "two-pass", "atomic"}
 
 
+def test_tables_written_by_the_sweep_read_back_as_the_same_tables():
+    import tune
+
+    for table, expand in ((V2.TUNED_CONFIGS, "by_bucket"), (HOPPER_FWD.FORWARD_PATHS, "V2.by_bucket"),
+                          (HOPPER.BACKWARD_PATHS, "V2.by_bucket")):
+        namespace = {"by_bucket": V2.by_bucket, "V2": V2}
+        exec("\n".join(tune.literal_by_bucket("TABLE", table, expand)), namespace)
+        assert namespace["TABLE"] == table
+
+
+def test_a_table_row_without_a_value_for_every_bucket_is_refused():
+    with pytest.raises(ValueError, match=r"\(64, False\) has 2 values for the 5 buckets"):
+        V2.by_bucket({(64, False): ["gluon", "portable"]})
+
+
 def test_tuned_case_applies_on_the_measured_architecture_only(monkeypatch):
     q = torch.empty(1, 1, 1500, 64, dtype=torch.float16)
     assert V2.ON_GPU or V2.tuned_case(q, True) is None  # the interpreter runs its one configuration

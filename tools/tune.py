@@ -94,6 +94,15 @@ def literal(name, table):
     return [f"{name} = {{"] + [f"    {key!r}: {value!r}," for key, value in sorted(table.items())] + ["}"]
 
 
+def literal_by_bucket(name, table, expand):
+    """A table keyed (*case, N) as Python source, one line per case holding its values in the order of N,
+    wrapped in the lesson's function `expand` (lesson 05's by_bucket) that turns it back into the table."""
+    rows = {}
+    for key, value in sorted(table.items()):
+        rows.setdefault(key[:-1], []).append(value)
+    return [f"{name} = {expand}({{"] + [f"    {case!r}: {values!r}," for case, values in rows.items()] + ["})"]
+
+
 # Timings of one kernel on this machine spread by a few percent from run to run, so tile configurations
 # within this fraction of the fastest count as tied; each distinct one the lessons run is one more
 # compilation in every cold build.
@@ -246,9 +255,11 @@ def tune_attention():
                       " ".join(f"{name} {V2.TUNED_CONFIGS[(name, *case)]}" for name in V2.INTERPRETER_CONFIGS),
                       flush=True)
     write_block(TUTORIALS / "05-fused-attention-v2.py", "attention",
-                literal("TUNED_ON", V2.TUNED_ON) + literal("TUNED_CONFIGS", V2.TUNED_CONFIGS))
-    write_block(TUTORIALS / "06-hopper-forward-gluon.py", "forward paths", literal("FORWARD_PATHS", forward_paths))
-    write_block(TUTORIALS / "07-hopper-backward-gluon.py", "backward paths", literal("BACKWARD_PATHS", backward_paths))
+                literal("TUNED_ON", V2.TUNED_ON) + literal_by_bucket("TUNED_CONFIGS", V2.TUNED_CONFIGS, "by_bucket"))
+    write_block(TUTORIALS / "06-hopper-forward-gluon.py", "forward paths",
+                literal_by_bucket("FORWARD_PATHS", forward_paths, "V2.by_bucket"))
+    write_block(TUTORIALS / "07-hopper-backward-gluon.py", "backward paths",
+                literal_by_bucket("BACKWARD_PATHS", backward_paths, "V2.by_bucket"))
 
 
 if __name__ == "__main__":

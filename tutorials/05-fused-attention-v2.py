@@ -286,7 +286,8 @@ def attn_fwd_kernel(
 # some host time to look its case up. This lesson measures instead once, offline:
 # ``python tools/tune.py attention`` (in this repository) times every candidate below on a GPU,
 # for each head dimension, masking and sequence length of the benchmark, and writes the winners
-# into the table ``TUNED_CONFIGS`` below, with the GPU and versions that produced them. On a GPU of
+# into the table ``TUNED_CONFIGS`` below (a line per kernel, head dimension and masking, with a
+# configuration per sequence-length bucket), with the GPU and versions that produced them. On a GPU of
 # that architecture the launchers take the configuration from the table (a sequence length between
 # two measured ones takes its power-of-two bucket, one outside them the nearest bucket). Anywhere
 # else the autotuner picks from the same candidates, keyed on the head dimension, the causal flag
@@ -337,6 +338,17 @@ BWD_SHAPES = [(64, 128, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 4), (
 INTERPRETER_CONFIGS = {"fwd": (64, 32, 4, 1), "dkdv": (32, 64, 4, 1), "dkdv-atomic": (32, 64, 4, 1),
                        "dq": (32, 64, 4, 1)}
 
+
+def by_bucket(rows):
+    """{(*case, N): value} from {case: [its value at each of TUNED_ON's buckets, in order]}: the tables are
+    written one line per case and looked up per sequence-length bucket."""
+    buckets = TUNED_ON["buckets"]
+    for case, values in rows.items():
+        if len(values) != len(buckets):
+            raise ValueError(f"table row {case} has {len(values)} values for the {len(buckets)} buckets {buckets}")
+    return {(*case, N): value for case, values in rows.items() for N, value in zip(buckets, values)}
+
+
 # BEGIN tools/tune.py attention: written by the sweep; run it again rather than edit these lines.
 TUNED_ON = {
     'buckets': (1024, 2048, 4096, 8192, 16384),
@@ -346,88 +358,24 @@ TUNED_ON = {
     'torch': '2.11.0+cu130',
     'triton': '3.6.0',
 }
-TUNED_CONFIGS = {
-    ('dkdv', 64, False, 1024): (64, 64, 4, 3),
-    ('dkdv', 64, False, 2048): (64, 64, 4, 3),
-    ('dkdv', 64, False, 4096): (64, 64, 4, 3),
-    ('dkdv', 64, False, 8192): (64, 64, 4, 3),
-    ('dkdv', 64, False, 16384): (64, 64, 4, 3),
-    ('dkdv', 64, True, 1024): (64, 64, 4, 3),
-    ('dkdv', 64, True, 2048): (64, 64, 4, 3),
-    ('dkdv', 64, True, 4096): (64, 64, 4, 3),
-    ('dkdv', 64, True, 8192): (64, 64, 4, 3),
-    ('dkdv', 64, True, 16384): (64, 64, 4, 3),
-    ('dkdv', 128, False, 1024): (64, 64, 4, 2),
-    ('dkdv', 128, False, 2048): (64, 64, 4, 2),
-    ('dkdv', 128, False, 4096): (64, 64, 4, 2),
-    ('dkdv', 128, False, 8192): (64, 64, 4, 2),
-    ('dkdv', 128, False, 16384): (64, 64, 4, 2),
-    ('dkdv', 128, True, 1024): (64, 64, 4, 2),
-    ('dkdv', 128, True, 2048): (64, 64, 4, 2),
-    ('dkdv', 128, True, 4096): (64, 64, 4, 2),
-    ('dkdv', 128, True, 8192): (64, 64, 4, 2),
-    ('dkdv', 128, True, 16384): (64, 64, 4, 2),
-    ('dkdv-atomic', 64, False, 1024): (64, 64, 4, 3),
-    ('dkdv-atomic', 64, False, 2048): (64, 64, 4, 3),
-    ('dkdv-atomic', 64, False, 4096): (64, 64, 4, 3),
-    ('dkdv-atomic', 64, False, 8192): (64, 64, 4, 3),
-    ('dkdv-atomic', 64, False, 16384): (64, 128, 8, 3),
-    ('dkdv-atomic', 64, True, 1024): (64, 64, 4, 3),
-    ('dkdv-atomic', 64, True, 2048): (64, 64, 4, 3),
-    ('dkdv-atomic', 64, True, 4096): (64, 64, 4, 3),
-    ('dkdv-atomic', 64, True, 8192): (64, 64, 4, 3),
-    ('dkdv-atomic', 64, True, 16384): (64, 64, 4, 3),
-    ('dkdv-atomic', 128, False, 1024): (64, 128, 8, 3),
-    ('dkdv-atomic', 128, False, 2048): (64, 128, 8, 3),
-    ('dkdv-atomic', 128, False, 4096): (64, 128, 8, 3),
-    ('dkdv-atomic', 128, False, 8192): (64, 128, 8, 3),
-    ('dkdv-atomic', 128, False, 16384): (64, 128, 8, 3),
-    ('dkdv-atomic', 128, True, 1024): (64, 128, 8, 3),
-    ('dkdv-atomic', 128, True, 2048): (64, 128, 8, 3),
-    ('dkdv-atomic', 128, True, 4096): (64, 128, 8, 3),
-    ('dkdv-atomic', 128, True, 8192): (64, 128, 8, 3),
-    ('dkdv-atomic', 128, True, 16384): (64, 128, 8, 3),
-    ('dq', 64, False, 1024): (64, 128, 8, 3),
-    ('dq', 64, False, 2048): (64, 128, 8, 3),
-    ('dq', 64, False, 4096): (64, 128, 8, 3),
-    ('dq', 64, False, 8192): (64, 128, 8, 3),
-    ('dq', 64, False, 16384): (64, 128, 8, 3),
-    ('dq', 64, True, 1024): (64, 64, 4, 2),
-    ('dq', 64, True, 2048): (64, 64, 4, 2),
-    ('dq', 64, True, 4096): (64, 64, 4, 2),
-    ('dq', 64, True, 8192): (64, 64, 4, 2),
-    ('dq', 64, True, 16384): (64, 64, 4, 2),
-    ('dq', 128, False, 1024): (64, 128, 8, 3),
-    ('dq', 128, False, 2048): (64, 128, 8, 3),
-    ('dq', 128, False, 4096): (64, 128, 8, 3),
-    ('dq', 128, False, 8192): (64, 128, 8, 3),
-    ('dq', 128, False, 16384): (64, 128, 8, 3),
-    ('dq', 128, True, 1024): (32, 64, 4, 4),
-    ('dq', 128, True, 2048): (64, 128, 8, 3),
-    ('dq', 128, True, 4096): (64, 128, 8, 3),
-    ('dq', 128, True, 8192): (64, 128, 8, 3),
-    ('dq', 128, True, 16384): (64, 128, 8, 3),
-    ('fwd', 64, False, 1024): (128, 64, 8, 3),
-    ('fwd', 64, False, 2048): (128, 64, 8, 3),
-    ('fwd', 64, False, 4096): (128, 64, 8, 3),
-    ('fwd', 64, False, 8192): (128, 64, 8, 4),
-    ('fwd', 64, False, 16384): (128, 64, 8, 4),
-    ('fwd', 64, True, 1024): (64, 64, 4, 3),
-    ('fwd', 64, True, 2048): (64, 64, 4, 3),
-    ('fwd', 64, True, 4096): (128, 64, 8, 4),
-    ('fwd', 64, True, 8192): (64, 64, 4, 3),
-    ('fwd', 64, True, 16384): (128, 64, 8, 4),
-    ('fwd', 128, False, 1024): (64, 64, 4, 3),
-    ('fwd', 128, False, 2048): (128, 64, 8, 3),
-    ('fwd', 128, False, 4096): (128, 64, 8, 3),
-    ('fwd', 128, False, 8192): (64, 64, 4, 3),
-    ('fwd', 128, False, 16384): (128, 64, 8, 3),
-    ('fwd', 128, True, 1024): (64, 64, 4, 3),
-    ('fwd', 128, True, 2048): (64, 64, 4, 3),
-    ('fwd', 128, True, 4096): (64, 64, 4, 3),
-    ('fwd', 128, True, 8192): (128, 128, 8, 3),
-    ('fwd', 128, True, 16384): (128, 64, 8, 4),
-}
+TUNED_CONFIGS = by_bucket({
+    ('dkdv', 64, False): [(64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3)],
+    ('dkdv', 64, True): [(64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3)],
+    ('dkdv', 128, False): [(64, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 2)],
+    ('dkdv', 128, True): [(64, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 2)],
+    ('dkdv-atomic', 64, False): [(64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3)],
+    ('dkdv-atomic', 64, True): [(64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3)],
+    ('dkdv-atomic', 128, False): [(64, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 3)],
+    ('dkdv-atomic', 128, True): [(64, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 3)],
+    ('dq', 64, False): [(64, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 3)],
+    ('dq', 64, True): [(64, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 2)],
+    ('dq', 128, False): [(64, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 3)],
+    ('dq', 128, True): [(32, 64, 4, 4), (64, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 3)],
+    ('fwd', 64, False): [(128, 64, 8, 3), (128, 64, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 4)],
+    ('fwd', 64, True): [(64, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 64, 8, 4)],
+    ('fwd', 128, False): [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3)],
+    ('fwd', 128, True): [(64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4)],
+})
 # END tools/tune.py attention
 
 

@@ -456,28 +456,12 @@ def _ws_forward(q, k, v, o, lse, causal, sm_scale):
 # backward either way. (The next lesson replaces it on Hopper.)
 
 # BEGIN tools/tune.py forward paths: written by the sweep; run it again rather than edit these lines.
-FORWARD_PATHS = {
-    (64, False, 1024): 'portable',
-    (64, False, 2048): 'portable',
-    (64, False, 4096): 'gluon',
-    (64, False, 8192): 'gluon',
-    (64, False, 16384): 'gluon',
-    (64, True, 1024): 'portable',
-    (64, True, 2048): 'portable',
-    (64, True, 4096): 'gluon',
-    (64, True, 8192): 'gluon',
-    (64, True, 16384): 'gluon',
-    (128, False, 1024): 'portable',
-    (128, False, 2048): 'gluon',
-    (128, False, 4096): 'gluon',
-    (128, False, 8192): 'gluon',
-    (128, False, 16384): 'gluon',
-    (128, True, 1024): 'portable',
-    (128, True, 2048): 'gluon',
-    (128, True, 4096): 'gluon',
-    (128, True, 8192): 'gluon',
-    (128, True, 16384): 'gluon',
-}
+FORWARD_PATHS = V2.by_bucket({
+    (64, False): ['portable', 'portable', 'gluon', 'gluon', 'gluon'],
+    (64, True): ['portable', 'portable', 'gluon', 'gluon', 'gluon'],
+    (128, False): ['portable', 'gluon', 'gluon', 'gluon', 'gluon'],
+    (128, True): ['portable', 'gluon', 'gluon', 'gluon', 'gluon'],
+})
 # END tools/tune.py forward paths
 
 

@@ -434,28 +434,12 @@ def _ws_backward(q, k, v, do, lse, delta, causal, sm_scale):
 # can, and otherwise the two-pass backward.
 
 # BEGIN tools/tune.py backward paths: written by the sweep; run it again rather than edit these lines.
-BACKWARD_PATHS = {
-    (64, False, 1024): 'two-pass',
-    (64, False, 2048): 'gluon',
-    (64, False, 4096): 'gluon',
-    (64, False, 8192): 'gluon',
-    (64, False, 16384): 'gluon',
-    (64, True, 1024): 'two-pass',
-    (64, True, 2048): 'two-pass',
-    (64, True, 4096): 'gluon',
-    (64, True, 8192): 'gluon',
-    (64, True, 16384): 'gluon',
-    (128, False, 1024): 'two-pass',
-    (128, False, 2048): 'gluon',
-    (128, False, 4096): 'gluon',
-    (128, False, 8192): 'gluon',
-    (128, False, 16384): 'gluon',
-    (128, True, 1024): 'two-pass',
-    (128, True, 2048): 'gluon',
-    (128, True, 4096): 'gluon',
-    (128, True, 8192): 'gluon',
-    (128, True, 16384): 'gluon',
-}
+BACKWARD_PATHS = V2.by_bucket({
+    (64, False): ['two-pass', 'gluon', 'gluon', 'gluon', 'gluon'],
+    (64, True): ['two-pass', 'two-pass', 'gluon', 'gluon', 'gluon'],
+    (128, False): ['two-pass', 'gluon', 'gluon', 'gluon', 'gluon'],
+    (128, True): ['two-pass', 'gluon', 'gluon', 'gluon', 'gluon'],
+})
 # END tools/tune.py backward paths
 
 
