@@ -509,6 +509,11 @@ if __name__ == "__main__":
           f"order, with the same tile; the largest ratio is at n = {vs_row_major.idxmax()}.")
     print(f"The tile picked at n = {n}, {tile['BLOCK_M']} x {tile['BLOCK_N']}, does "
           f"{tile_intensity(tile['BLOCK_M'], tile['BLOCK_N']):.0f} FLOP per byte it loads.")
+    above = table["torch.matmul"][table["torch.matmul"] > peak]
+    if len(above):
+        print(f"torch.matmul's fastest timing beats the ceiling at n = {', '.join(map(str, above.index))} "
+              f"(up to {above.max():.3g} TFLOP/s): the ceiling is timed after a second of multiplies, at the "
+              "clocks a GPU holds under sustained load, while a table entry is the fastest of short timings.")
     if not ON_GPU:
         print("These are interpreter timings: they measure NumPy on the CPU, not GPU kernels. The interpreter runs "
               "one program after another and has no L2 to share, so the two orders differ only by noise.")
