@@ -257,11 +257,12 @@ def test_warp_specialized_backward_takes_any_gradient_layout(causal, rng):
 
 
 @pytest.mark.parametrize("n", [1, 4, 77, 300])
-def test_rows_of_lse_padded_for_tma(n, rng):
+@pytest.mark.parametrize("block_m", sorted(set(HOPPER.WS_BWD_BLOCK_M.values())))
+def test_rows_of_lse_padded_for_tma(n, block_m, rng):
     """TMA wants row strides in multiples of 16 bytes: rows of any length are described by a padded copy."""
     x = torch.randn(3, n, generator=rng)
-    desc = HOPPER._ws_row_descriptor(x)
-    assert list(desc.shape) == [3, n] and desc.strides[0] % 4 == 0
+    desc = HOPPER._ws_row_descriptor(x, block_m)
+    assert list(desc.shape) == [3, n] and desc.strides[0] % 4 == 0 and list(desc.block_shape) == [1, block_m]
     assert torch.equal(desc.base[:, :n], x)
 
 
