@@ -808,3 +808,8 @@ def test_the_sweep_rewrites_only_its_own_block(tmp_path):
     exec(lesson.read_text(), namespace)
     assert namespace["NEW"] == table and namespace["before"] == 1 and namespace["after"] == 2
     assert "OLD" not in namespace
+
+
+@pytest.mark.parametrize("ratio, text", [(0.5, "0.50x"), (0.998, "0.998x"), (0.99997, "0.99997x"), (1.0005, "1.00x")])
+def test_the_default_paths_best_ratio_under_one_does_not_print_as_one(ratio, text):
+    assert HOPPER_FWD._below_one(ratio) == text

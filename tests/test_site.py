@@ -281,13 +281,19 @@ def test_performance_page_shows_every_case(site):
         for row in rows:
             kernels = row[len(perf_summary.case_columns(bench)):]
             for ratio, fraction in zip(kernels[::2], kernels[1::2], strict=True):
-                assert re.fullmatch(r"n/a|\d+\.\d\dx .+", ratio) and re.fullmatch(r"n/a|\d+%", fraction), row
+                assert re.fullmatch(r"n/a|\d+\.\d{2,6}x .+", ratio) and re.fullmatch(r"n/a|\d+%", fraction), row
 
 
 @pytest.mark.parametrize("value, text", [(727.7, "728"), (3352.1, "3352"), (99.96, "100"), (42.45, "42.5"),
                                          (2.0922, "2.09"), (0.0021003, "0.00210")])
 def test_a_rate_has_one_format(value, text):
     assert perf_summary.format_rate(value) == text
+
+
+@pytest.mark.parametrize("ratio, text", [(0.5, "0.50x"), (0.994, "0.99x"), (0.998, "0.998x"), (0.99997, "0.99997x"),
+                                         (1.0, "1.00x"), (1.0005, "1.00x"), (1.25, "1.25x")])
+def test_a_ratio_just_under_one_does_not_print_as_one(ratio, text):
+    assert perf_summary.format_ratio(ratio) == text
 
 
 def test_perf_summary_ratios():

@@ -161,7 +161,11 @@ def validate_record(record):
 
 
 def format_ratio(ratio):
-    return f"{ratio:.2f}x"
+    """Two decimals, or as many more as it takes to show on which side of 1 the ratio lies (0.998x, not 1.00x)."""
+    digits = 2
+    while digits < 6 and (round(ratio, digits) < 1) != (ratio < 1):
+        digits += 1
+    return f"{ratio:.{digits}f}x"
 
 
 def format_fraction(fraction):
