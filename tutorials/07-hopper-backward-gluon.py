@@ -599,10 +599,10 @@ if __name__ == "__main__":
 # At the smallest size the host's share of a call is largest, for the reason of lesson 06: a
 # backward call is a few Python launches (two kernels for the two-pass backward; for the atomic and
 # Gluon ones the preprocess, the main kernel, and zeroing and converting the fp32 :math:`dQ`) after
-# PyTorch's autograd engine, and the host's time to
-# enqueue them can exceed the GPU's time to run them. Whether it does is a measurement: the same
-# split as in lesson 06, for each backward at the smallest size, the host's time per call and the
-# GPU's, from the profiler (both include autograd adding each gradient into ``.grad``).
+# PyTorch's autograd engine, and the host's time to enqueue them can exceed the GPU's time to run
+# them. Whether it does is a measurement: the same split as in lesson 06, for each backward at the
+# smallest size, the host's time per call and the GPU's, from the profiler (both include autograd
+# adding each gradient into ``.grad``).
 
 if __name__ == "__main__" and ON_GPU:
     N = sizes[0]
@@ -675,7 +675,8 @@ def profile_backward(B, H, N, D, causal, peak):
     cudnn = backward_kernel_ms(V2.sdpa_providers(causal, D ** -0.5, ["SDPA cuDNN"])["SDPA cuDNN"], q, k, v)
     cudnn_main = max(cudnn.values())
     cudnn_rate = 5 * per_product / cudnn_main * 1e-9
-    if FWD.warp_specialized_unsupported(q, k, v) is None:
+    gluon_runs = FWD.warp_specialized_unsupported(q, k, v) is None
+    if gluon_runs:
         every = backward_kernel_ms(lambda q, k, v: attention(q, k, v, causal, D ** -0.5, warp_specialized=True),
                                    q, k, v)
         main = every["attn_bwd_ws_kernel"]
@@ -695,7 +696,7 @@ def profile_backward(B, H, N, D, causal, peak):
             print(f"    the warp-specialized kernel multiplies {verdict}")
     print(f"    SDPA cuDNN's backward: its longest kernel {cudnn_main:.2f} ms, as 5 products {cudnn_rate:.0f} TFLOP/s "
           f"({cudnn_rate / peak:.0%}); {sum(cudnn.values()) - cudnn_main:.2f} ms in the other kernels of the call")
-    if FWD.warp_specialized_unsupported(q, k, v) is None:
+    if gluon_runs:
         print(f"    the warp-specialized kernel multiplies at {rate / cudnn_rate:.0%} of the rate of cuDNN's longest "
               "kernel")
 
