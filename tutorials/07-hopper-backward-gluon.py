@@ -416,14 +416,15 @@ def _ws_backward(q, k, v, do, lse, delta, causal, sm_scale):
     dk = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
     block_m = WS_BWD_BLOCK_M[D]
-    attn_bwd_ws_kernel[(triton.cdiv(N, WS_BWD_BLOCK_N), B * H)](
-        FWD._ws_descriptor(q, block_m), FWD._ws_descriptor(k, WS_BWD_BLOCK_N // 2),
-        FWD._ws_descriptor(v, WS_BWD_BLOCK_N // 2), FWD._ws_descriptor(do, block_m), _ws_row_descriptor(lse, block_m),
-        _ws_row_descriptor(delta, block_m), TensorDescriptor(dq, list(dq.shape), list(dq.stride()),
-                                                             [1, 1, block_m, 32], _WS_DQ_LAYOUT),
-        dk, dv, sm_scale * V2.LOG2E, sm_scale, H, N, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=WS_BWD_BLOCK_N,
-        STAGES=WS_BWD_STAGES, CONSUMER_REGISTERS=FWD.WS_CONSUMER_REGISTERS,
-        LOADER_REGISTERS=FWD.WS_LOADER_REGISTERS, num_warps=4)
+    V2.launch_planned(
+        V2.plan_key("ws-bwd", (q, k, v, do), causal), attn_bwd_ws_kernel, (triton.cdiv(N, WS_BWD_BLOCK_N), B * H), 11,
+        (FWD._ws_descriptor(q, block_m), FWD._ws_descriptor(k, WS_BWD_BLOCK_N // 2),
+         FWD._ws_descriptor(v, WS_BWD_BLOCK_N // 2), FWD._ws_descriptor(do, block_m), _ws_row_descriptor(lse, block_m),
+         _ws_row_descriptor(delta, block_m),
+         TensorDescriptor(dq, list(dq.shape), list(dq.stride()), [1, 1, block_m, 32], _WS_DQ_LAYOUT),
+         dk, dv, sm_scale * V2.LOG2E, sm_scale, H, N),
+        dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=WS_BWD_BLOCK_N, STAGES=WS_BWD_STAGES,
+             CONSUMER_REGISTERS=FWD.WS_CONSUMER_REGISTERS, LOADER_REGISTERS=FWD.WS_LOADER_REGISTERS), num_warps=4)
     return dq.to(q.dtype), dk, dv
 
 
