@@ -449,7 +449,7 @@ BACKWARD_PATHS = V2.by_bucket({
     (64, False): ['two-pass', 'gluon', 'gluon', 'gluon', 'gluon'],
     (64, True): ['two-pass', 'two-pass', 'gluon', 'gluon', 'gluon'],
     (128, False): ['two-pass', 'gluon', 'gluon', 'gluon', 'gluon'],
-    (128, True): ['two-pass', 'gluon', 'gluon', 'gluon', 'gluon'],
+    (128, True): ['two-pass', 'two-pass', 'gluon', 'gluon', 'gluon'],
 })
 # END tools/tune.py backward paths
 
