@@ -698,6 +698,67 @@ def test_a_table_row_without_a_value_for_every_bucket_is_refused():
         V2.by_bucket({(64, False): ["gluon", "portable"]})
 
 
+class RecordingKernel:
+    """Stands in for a jitted kernel: kernel[grid](...) is a launch through the JIT, and returns the compiled
+    kernel, whose compiled[grid] launches it directly. Both are recorded."""
+    arg_names = ["X", "Y", "n", "BLOCK"]
+
+    def __init__(self):
+        self.jit, self.replayed = [], []
+
+    def __getitem__(self, grid):
+        def through_jit(*args, **keywords):
+            self.jit.append((grid, args, keywords))
+            return Compiled(self)
+        return through_jit
+
+
+class Compiled:
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        return lambda *args: self.kernel.replayed.append((grid, args))
+
+
+def test_a_launch_plan_replays_only_the_launch_it_was_made_from(monkeypatch):
+    monkeypatch.setattr(V2, "PLANS", {})
+    kernel = RecordingKernel()
+
+    def launch(x, grid=(3, 2), block=16, warps=4, key=("k",)):
+        V2.launch_planned(key, kernel, grid, 2, (x, "y-" + x, 7), {"BLOCK": block}, num_warps=warps)
+
+    launch("a")
+    launch("b")
+    assert kernel.jit == [((3, 2), ("a", "y-a", 7), {"BLOCK": 16, "num_warps": 4})]
+    assert kernel.replayed == [((3, 2, 1), ("b", "y-b", 7, 16))]  # fresh arguments, then the plan's, constexprs last
+    launch("c", block=32)
+    launch("d", grid=(4, 2))
+    launch("e", warps=8)
+    assert [args[0] for _, args, _ in kernel.jit] == ["a", "c", "d", "e"]  # each another launch: through the JIT
+    launch("f", key=None)  # no key (the interpreter): the JIT every time, and no plan kept
+    launch("g", key=None)
+    assert [args[0] for _, args, _ in kernel.jit][-2:] == ["f", "g"] and len(V2.PLANS) == 4
+
+
+@pytest.mark.skipif(not V2.ON_GPU, reason="launch plans are kept on a GPU only")
+def test_plans_give_the_jit_bits_and_another_layout_gets_its_own(rng):
+    V2.PLANS.clear()
+    q, k, v = (randn((2, 3, 77, 64), torch.float16, rng) for _ in range(3))
+    first = V2.forward(q, k, v, True, 0.125)
+    planned = len(V2.PLANS)
+    again = V2.forward(q, k, v, True, 0.125)
+    assert len(V2.PLANS) == planned == 1 and all(torch.equal(a, b) for a, b in zip(first, again))
+    # Same shape and strides, with the data 2 bytes off a 16-byte boundary; then other strides.
+    shifted = randn((q.numel() + 1,), torch.float16, rng)[1:].view(q.shape).copy_(q)
+    transposed = randn((2, 77, 3, 64), torch.float16, rng).transpose(1, 2).copy_(q)
+    for other in (shifted, transposed):
+        out, _ = V2.forward(other, k, v, True, 0.125)
+        assert_matches(out, reference(q.double(), k.double(), v.double(), True, 0.125), torch.float16, "o")
+    assert len(V2.PLANS) == 3
+    assert V2.plan_key("x", (shifted,)) != V2.plan_key("x", (q,)) != V2.plan_key("x", (transposed,))
+
+
 def test_tuned_case_applies_on_the_measured_architecture_only(monkeypatch):
     q = torch.empty(1, 1, 1500, 64, dtype=torch.float16)
     assert V2.ON_GPU or V2.tuned_case(q, True) is None  # the interpreter runs its one configuration

@@ -686,7 +686,7 @@ def attn_bwd_dq_kernel(
 # ``backward_delta`` is the preprocess, for the backwards that need :math:`\Delta` before they start.
 #
 # At short lengths the host's work per call matters as much as the GPU's (lesson 06's last section
-# measures both). The largest piece is Triton's JIT dispatch: on every call it inspects each of some
+# measures both). One large piece is Triton's JIT dispatch: on every call it inspects each of some
 # thirty arguments, to find what the compiled kernel was specialized on (dtypes, integers equal to 1
 # or divisible by 16, pointers aligned to 16 bytes), and looks the kernel up by that. Every one of
 # those answers, and every argument besides the tensors and the scale, follows from the inputs'

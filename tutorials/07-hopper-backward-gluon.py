@@ -603,7 +603,22 @@ if __name__ == "__main__":
 # PyTorch's autograd engine, and the host's time to enqueue them can exceed the GPU's time to run
 # them. Whether it does is a measurement: the same split as in lesson 06, for each backward at the
 # smallest size, the host's time per call and the GPU's, from the profiler (both include autograd
-# adding each gradient into ``.grad``).
+# adding each gradient into ``.grad``). Beside them, the host's floor for any backward written in
+# Python: an autograd function whose backward launches nothing and hands back gradients made
+# beforehand. cuDNN's backward is C++ inside PyTorch and pays no such Python round trip.
+
+
+class _GradientsReady(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.grads = tuple(torch.empty_like(t) for t in (q, k, v))
+        return torch.empty_like(q)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do):
+        return ctx.grads
+
 
 if __name__ == "__main__" and ON_GPU:
     N = sizes[0]
@@ -622,9 +637,11 @@ if __name__ == "__main__" and ON_GPU:
                 call = V2.V1.backward_call(fn, q, k, v)
                 host[name], gpu[name] = FWD.host_ms(call), sum(FWD.kernel_ms(call).values())
             ours = min((name for name in fns if name != "SDPA cuDNN"), key=gpu.get)
+            floor = FWD.host_ms(V2.V1.backward_call(_GradientsReady.apply, q, k, v))
             print(f"D={D:3d} {'causal    ' if causal else 'non-causal'} N={N}: " + ", ".join(
                 f"{name} host {1e3 * host[name]:.0f} us, GPU {1e3 * gpu[name]:.0f} us" for name in fns) +
-                f". The one with less GPU time ({ours}) takes {gpu[ours] / gpu['SDPA cuDNN']:.2f}x cuDNN's and "
+                f"; a Python backward that launches nothing, host {1e3 * floor:.0f} us. The one with less GPU time "
+                f"({ours}) takes {gpu[ours] / gpu['SDPA cuDNN']:.2f}x cuDNN's and "
                 f"{host[ours] / host['SDPA cuDNN']:.1f}x its host time.")
             del q, k, v
 elif __name__ == "__main__":
