@@ -759,6 +759,15 @@ def test_plans_give_the_jit_bits_and_another_layout_gets_its_own(rng):
     assert V2.plan_key("x", (shifted,)) != V2.plan_key("x", (q,)) != V2.plan_key("x", (transposed,))
 
 
+def test_the_host_integer_helpers_agree_with_tritons():
+    import triton
+
+    for n in [*range(1, 300), 1023, 1024, 1025, 2**20 - 1, 2**20, 2**31 + 5]:
+        assert V2.host_next_power_of_2(n) == triton.next_power_of_2(n), n
+        for block in (16, 64, 128):
+            assert V2.host_cdiv(n, block) == triton.cdiv(n, block), (n, block)
+
+
 def test_tuned_case_applies_on_the_measured_architecture_only(monkeypatch):
     q = torch.empty(1, 1, 1500, 64, dtype=torch.float16)
     assert V2.ON_GPU or V2.tuned_case(q, True) is None  # the interpreter runs its one configuration

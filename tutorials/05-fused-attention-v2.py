@@ -379,6 +379,18 @@ TUNED_CONFIGS = by_bucket({
 # END tools/tune.py attention
 
 
+def host_cdiv(a, b):
+    """ceil(a / b) for the launchers. triton.cdiv gives the same, but is built to run inside kernels too, and
+    from the host every call first unwraps its arguments: microseconds, which count where the host paces the
+    GPU (lesson 06's last section)."""
+    return -(-a // b)
+
+
+def host_next_power_of_2(n):
+    """The smallest power of 2 >= n, for n >= 1: triton.next_power_of_2 without its cost on the host."""
+    return 1 << (n - 1).bit_length()
+
+
 @functools.cache
 def _capability(device):
     return torch.cuda.get_device_capability(device)
@@ -391,7 +403,7 @@ def tuned_case(q, causal):
             or _capability(q.device) != TUNED_ON["capability"]):
         return None
     buckets = TUNED_ON["buckets"]
-    return q.shape[3], causal, min(max(triton.next_power_of_2(q.shape[2]), buckets[0]), buckets[-1])
+    return q.shape[3], causal, min(max(host_next_power_of_2(q.shape[2]), buckets[0]), buckets[-1])
 
 
 # %%
@@ -769,8 +781,8 @@ def forward(q, k, v, causal, sm_scale):
     if q.dtype == torch.float8_e5m2 and v.stride(2) != 1 and N > 1:
         v = keys_contiguous(v)  # lesson 06, "fp8 on Hopper: the layout of V", says why
     _launch(attn_fwd_kernel, "fwd", plan_key("fwd", (q, k, v), causal, sm_scale < 0), tuned_case(q, causal),
-            lambda bm, bn: (triton.cdiv(N, bm), B * H), 6, q, k, v, o, lse, sm_scale * LOG2E, H, N,
-            triton.next_power_of_2(N), *q.stride(), *k.stride(), *v.stride(), *o.stride(), D=D, CAUSAL=causal,
+            lambda bm, bn: (host_cdiv(N, bm), B * H), 6, q, k, v, o, lse, sm_scale * LOG2E, H, N,
+            host_next_power_of_2(N), *q.stride(), *k.stride(), *v.stride(), *o.stride(), D=D, CAUSAL=causal,
             UPCAST_DOT=_upcast(q), NEGATIVE_SCALE=sm_scale < 0)
     return o, lse
 
@@ -785,7 +797,7 @@ def backward_delta(o, do):
     and lesson 07's."""
     B, H, N, D = o.shape
     delta = torch.empty((B * H, N), dtype=torch.float32, device=o.device)
-    launch_planned(plan_key("delta", (o, do)), attn_bwd_preprocess_kernel, (triton.cdiv(N, 64), B * H), 3,
+    launch_planned(plan_key("delta", (o, do)), attn_bwd_preprocess_kernel, (host_cdiv(N, 64), B * H), 3,
                    (o, do, delta, H, N, *o.stride(), *do.stride()), dict(D=D, BLOCK_M=64))
     return delta
 
@@ -796,10 +808,10 @@ def backward(q, k, v, o, do, lse, causal, sm_scale, atomic_dq):
     B, H, N, D = q.shape
     dk = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
-    scales = (sm_scale, sm_scale * LOG2E, H, N, triton.next_power_of_2(N))
+    scales = (sm_scale, sm_scale * LOG2E, H, N, host_next_power_of_2(N))
     meta = dict(D=D, CAUSAL=causal, UPCAST_DOT=_upcast(q))
     case = tuned_case(q, causal)
-    grid = lambda bm, bn: (triton.cdiv(N, bn), B * H)  # noqa: E731
+    grid = lambda bm, bn: (host_cdiv(N, bn), B * H)  # noqa: E731
     if atomic_dq:
         # dQ is summed in fp32: adding fp16 partial sums would lose bits at every add.
         dq = torch.zeros((B, H, N, D), dtype=torch.float32, device=q.device)
