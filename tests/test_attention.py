@@ -759,6 +759,18 @@ def test_plans_give_the_jit_bits_and_another_layout_gets_its_own(rng):
     assert V2.plan_key("x", (shifted,)) != V2.plan_key("x", (q,)) != V2.plan_key("x", (transposed,))
 
 
+def test_the_host_cells_read_a_benchmark_rate_back_as_time_per_call():
+    import pandas as pd
+
+    rows = pd.DataFrame([dict(D=64, causal=c, N=1024, mode=m, provider=p, value=v, spread=0.0)
+                         for c, m, p, v in ((False, "fwd", "x", 200.0), (True, "fwd", "x", 100.0),
+                                            (True, "bwd", "x", 50.0), (True, "bwd", "y", 1.0))])
+    flops = 4 * 2 * 3 * 1024 * 1024 * 64
+    assert math.isclose(HOPPER_FWD.benchmark_ms(rows, "x", 2, 3, 1024, 64, False, "fwd"), flops / 200e9)
+    assert math.isclose(HOPPER_FWD.benchmark_ms(rows, "x", 2, 3, 1024, 64, True, "fwd"), flops / 2 / 100e9)
+    assert math.isclose(HOPPER_FWD.benchmark_ms(rows, "x", 2, 3, 1024, 64, True, "bwd"), 2.5 * flops / 2 / 50e9)
+
+
 def test_the_host_integer_helpers_agree_with_tritons():
     import triton
 

@@ -747,7 +747,8 @@ def spread_summary(results):
             "provider in one case differ by (median, largest) "
             + ", ".join(f"N={n}: {row['median']:.1%}, {row['max']:.0%}" for n, row in spread.iterrows())
             + f"; the largest, {worst['spread']:.0%}, is {worst['provider']} ({worst['mode']}) at N={worst['N']}. "
-            "Differences between providers smaller than the median spread at that N are noise.")
+            "Differences between providers smaller than the median spread at that N are noise; at the shortest "
+            "N, where the host can pace the GPU, a whole run can also come out slower or faster than another.")
 
 
 def v1_providers(causal, D):

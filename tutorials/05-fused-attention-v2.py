@@ -471,8 +471,7 @@ def tuned_case(q, causal):
 # computes their :math:`\Delta`, uses it, and stores it. So this pass runs *first*, and the
 # :math:`dK, dV` pass, which walks every query block and needs every row's :math:`\Delta`, reads
 # what it stored. The preprocess kernel is gone: one launch fewer per backward (launching it took
-# 21 us of host time in an H100 probe recorded in the engineering notes; lesson 07 measures each
-# backward's host time per call in its own build). The atomic backward has no
+# 21 us of host time in an H100 probe recorded in the engineering notes). The atomic backward has no
 # :math:`dQ` pass to fold it into, so it keeps the preprocess.
 #
 # In both, masking is needed only on the diagonal and on ragged edges: a query row past :math:`N`
@@ -682,7 +681,8 @@ def attn_bwd_dq_kernel(
 # queries) and walks the small one (of keys), just as the :math:`dK, dV` kernel owns the large
 # block of keys. One list of candidate pairs serves both, and each kernel gets its own measured pick.
 #
-# A note on the interpreter (of Triton 3.9, which the pinned requirements install): it stores bf16
+# A note on the interpreter (of Triton 3.9, which the pinned requirements install; a GPU build of
+# this page may use another Triton, printed above its benchmark): it stores bf16
 # values as 16-bit integers and multiplies those integers inside ``tl.dot``. The kernels take an
 # ``UPCAST_DOT`` flag that turns the first operands into fp32 (and the helpers follow the dtype
 # they see); the launcher sets it only for bf16 under the interpreter, so compiled GPU code never
@@ -704,7 +704,9 @@ def attn_bwd_dq_kernel(
 # those answers, and every argument besides the tensors and the scale, follows from the inputs'
 # shapes, strides, dtypes and alignment. So the first call with a given layout goes through the JIT
 # and keeps a *launch plan*: the compiled kernel, its grid and those arguments. Later calls with the
-# same layout pass only their tensors and scale to the compiled kernel's own launcher.
+# same layout pass only their tensors and scale to the compiled kernel's own launcher. (Only
+# launches with a known configuration keep plans: a case that the table does not cover, fp8 among
+# them, goes through the autotuner and the JIT on every call.)
 
 if ON_GPU:
     _fwd = triton.autotune(_configs(FWD_SHAPES), key=["D", "CAUSAL", "N_BUCKET"],
