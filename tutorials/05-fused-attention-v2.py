@@ -727,21 +727,20 @@ if ON_GPU:
 PLANS = {}  # plan key -> replay(*fresh arguments)
 
 
-def plan_key(name, tensors, *flags):
-    """A launch plan's key on a GPU, None under the interpreter: the launch's name, the current GPU, the flags,
-    and each tensor's shape, strides, dtype and 16-byte alignment."""
+def plan_key(*tensors):
+    """The layout part of a launch plan's key on a GPU, None under the interpreter: the current GPU, and each
+    tensor's shape, strides, dtype and 16-byte alignment."""
     if not ON_GPU:
         return None
-    return (name, torch.cuda.current_device(), *flags,
-            *((t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) for t in tensors))
+    return (torch.cuda.current_device(), *((t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) for t in tensors))
 
 
 def launch_planned(key, kernel, grid, fresh, args, constexprs, **options):
     """kernel[grid](*args, **constexprs, **options): through Triton's JIT the first time this launch is seen,
-    then through the plan it leaves. The call site promises that key fixes the arguments after the first fresh;
-    the grid, the constexprs and the options are part of the plan's key."""
+    then through the plan it leaves. The call site promises that key (plan_key of the inputs) fixes the
+    arguments after the first fresh; the kernel, the grid, the constexprs and the options complete the key."""
     if key is not None:
-        key = (key, grid, *constexprs.values(), *options.values())
+        key = (kernel, key, grid, *constexprs.values(), *options.values())
     replay = PLANS.get(key)
     if replay is not None:
         replay(*args[:fresh])
@@ -782,7 +781,7 @@ def forward(q, k, v, causal, sm_scale):
     lse = torch.empty((B * H, N), dtype=torch.float32, device=q.device)
     if q.dtype == torch.float8_e5m2 and v.stride(2) != 1 and N > 1:
         v = keys_contiguous(v)  # lesson 06, "fp8 on Hopper: the layout of V", says why
-    _launch(attn_fwd_kernel, "fwd", plan_key("fwd", (q, k, v), causal, sm_scale < 0), tuned_case(q, causal),
+    _launch(attn_fwd_kernel, "fwd", plan_key(q, k, v), tuned_case(q, causal),
             lambda bm, bn: (host_cdiv(N, bm), B * H), 6, q, k, v, o, lse, sm_scale * LOG2E, H, N,
             host_next_power_of_2(N), *q.stride(), *k.stride(), *v.stride(), *o.stride(), D=D, CAUSAL=causal,
             UPCAST_DOT=_upcast(q), NEGATIVE_SCALE=sm_scale < 0)
@@ -799,7 +798,7 @@ def backward_delta(o, do):
     and lesson 07's."""
     B, H, N, D = o.shape
     delta = torch.empty((B * H, N), dtype=torch.float32, device=o.device)
-    launch_planned(plan_key("delta", (o, do)), attn_bwd_preprocess_kernel, (host_cdiv(N, 64), B * H), 3,
+    launch_planned(plan_key(o, do), attn_bwd_preprocess_kernel, (host_cdiv(N, 64), B * H), 3,
                    (o, do, delta, H, N, *o.stride(), *do.stride()), dict(D=D, BLOCK_M=64))
     return delta
 
@@ -821,11 +820,11 @@ def backward(q, k, v, o, do, lse, causal, sm_scale, atomic_dq):
     else:
         dq = torch.empty_like(dk)
         delta = torch.empty((B * H, N), dtype=torch.float32, device=q.device)
-        _launch(attn_bwd_dq_kernel, "dq", plan_key("dq", (q, k, v, o, do), causal), case, grid, 10, q, k, v, o,
-                do, dq, lse, delta, *scales, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), **meta)
-    name = "dkdv-atomic" if atomic_dq else "dkdv"
-    _launch(attn_bwd_dkdv_kernel, name, plan_key(name, (q, k, v, do), causal), case, grid, 11, q, k, v, do, dq, dk,
-            dv, lse, delta, *scales, *q.stride(), *k.stride(), *v.stride(), *do.stride(), ATOMIC_DQ=atomic_dq, **meta)
+        _launch(attn_bwd_dq_kernel, "dq", plan_key(q, k, v, o, do), case, grid, 10, q, k, v, o, do, dq, lse, delta,
+                *scales, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), **meta)
+    _launch(attn_bwd_dkdv_kernel, "dkdv-atomic" if atomic_dq else "dkdv", plan_key(q, k, v, do), case, grid, 11, q, k,
+            v, do, dq, dk, dv, lse, delta, *scales, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+            ATOMIC_DQ=atomic_dq, **meta)
     return (dq.to(q.dtype) if atomic_dq else dq), dk, dv
 
 

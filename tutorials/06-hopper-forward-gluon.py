@@ -429,7 +429,7 @@ def _ws_forward(q, k, v, o, lse, causal, sm_scale):
     # Lesson 05's launch plans ("The launcher and autograd"): the descriptors hold this call's tensors, so they
     # are among the arguments passed afresh.
     V2.launch_planned(
-        V2.plan_key("ws-fwd", (q, k, v), causal), attn_fwd_ws_kernel, (V2.host_cdiv(N, WS_BLOCK_M), B * H), 6,
+        V2.plan_key(q, k, v), attn_fwd_ws_kernel, (V2.host_cdiv(N, WS_BLOCK_M), B * H), 6,
         (_ws_descriptor(q, WS_BLOCK_M // 2), _ws_descriptor(k, WS_BLOCK_N), _ws_descriptor(v, WS_BLOCK_N), o, lse,
          sm_scale * V2.LOG2E, H, N, *o.stride()[:3]),
         dict(D=D, CAUSAL=causal, BLOCK_M=WS_BLOCK_M, BLOCK_N=WS_BLOCK_N, STAGES=WS_STAGES,

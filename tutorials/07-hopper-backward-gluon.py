@@ -417,7 +417,7 @@ def _ws_backward(q, k, v, do, lse, delta, causal, sm_scale):
     dv = torch.empty_like(dk)
     block_m = WS_BWD_BLOCK_M[D]
     V2.launch_planned(
-        V2.plan_key("ws-bwd", (q, k, v, do), causal), attn_bwd_ws_kernel, (V2.host_cdiv(N, WS_BWD_BLOCK_N), B * H), 11,
+        V2.plan_key(q, k, v, do), attn_bwd_ws_kernel, (V2.host_cdiv(N, WS_BWD_BLOCK_N), B * H), 11,
         (FWD._ws_descriptor(q, block_m), FWD._ws_descriptor(k, WS_BWD_BLOCK_N // 2),
          FWD._ws_descriptor(v, WS_BWD_BLOCK_N // 2), FWD._ws_descriptor(do, block_m), _ws_row_descriptor(lse, block_m),
          _ws_row_descriptor(delta, block_m),
