@@ -456,9 +456,9 @@ def _ws_forward(q, k, v, o, lse, causal, sm_scale):
 # its timings can disagree with the table, most at the shortest lengths and elsewhere where two
 # paths are close; the line under the benchmark's table counts how often they did. ``True``
 # insists on Gluon, with an error that says why when it cannot run, and ``False`` asks for the
-# portable kernel. Both forwards write the same
-# output and the same :math:`\mathrm{LSE}_2`, so the backward is the previous lesson's two-pass
-# backward either way. (The next lesson replaces it on Hopper.)
+# portable kernel. Both forwards write the same output and the same :math:`\mathrm{LSE}_2`, so the
+# backward is the previous lesson's two-pass backward either way. (The next lesson replaces it on
+# Hopper.)
 
 # BEGIN tools/tune.py forward paths: written by the sweep; run it again rather than edit these lines.
 FORWARD_PATHS = V2.by_bucket({
