@@ -226,6 +226,25 @@ def test_warp_specialized_strided_inputs(causal, rng):
 
 
 @needs_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("N, D", [(1, 64), (300, 128), (1000, 64), (1100, 128)])
+def test_persistent_forward_walks_every_tile_with_any_number_of_programs(causal, N, D, rng):
+    """Few programs walk many tiles each (the ring and the barriers' phases run on across tiles); odd tile
+    counts give the causal schedule a middle tile that pairs with itself. All give the same bits."""
+    q, k, v = (randn((2, 3, N, D), torch.bfloat16, rng) for _ in range(3))
+    runs = []
+    for programs in (None, 1, 2, 5):
+        o, lse = torch.empty_like(q), torch.empty((2, 3, N), device=DEVICE)
+        HOPPER_FWD._ws_forward(q, k, v, o, lse, causal, 0.125, programs)
+        runs.append((o, lse))
+    want = reference(q.double(), k.double(), v.double(), causal, 0.125)
+    error = ((runs[0][0].double() - want).abs().max() / want.abs().max()).item()
+    assert error < TOLERANCE[torch.bfloat16], f"relative error {error:.2e}"
+    for o, lse in runs[1:]:
+        assert torch.equal(o, runs[0][0]) and torch.equal(lse, runs[0][1])
+
+
+@needs_hopper
 def test_warp_specialized_refuses_what_tma_cannot_load(rng):
     q, k, v = (randn((1, 2, 64, 32), torch.float16, rng) for _ in range(3))
     with pytest.raises(ValueError, match="head dims"):
@@ -446,27 +465,45 @@ def test_exercise_padded_attention():
         V2.check_padded_attention(rewrites_lengths)
 
 
-def test_exercise_persistent_slot_rejects_an_answer_that_counts_its_calls():
-    calls = []
-
-    def counting(blocks, tile, j, stages):
-        if (tile, j) == (0, 0):  # a fresh count for each stage count: right if asked in order
-            calls.clear()
-        calls.append(None)
-        return HOPPER_FWD.ring_slot(len(calls) - 1, stages)
-
-    with pytest.raises(AssertionError, match="parity|buffer"):
-        HOPPER_FWD.check_persistent_slot(counting)
+def _pairs_schedule(n_m, heads, programs):
+    """The kernel's schedule: pairs of query blocks m and n_m - 1 - m, dealt out round robin."""
+    plan = [[] for _ in range(programs)]
+    half = (n_m + 1) // 2
+    for pair in range(half * heads):
+        head, light = divmod(pair, half)
+        plan[pair % programs] += [(head, m) for m in dict.fromkeys((n_m - 1 - light, light))]
+    return plan
 
 
-def test_exercise_persistent_slot():
-    HOPPER_FWD.check_persistent_slot(lambda blocks, tile, j, stages: HOPPER_FWD.ring_slot(sum(blocks[:tile]) + j,
-                                                                                          stages))
-    with pytest.raises(AssertionError, match="parity|buffer"):  # starts the ring over at every tile
-        HOPPER_FWD.check_persistent_slot(lambda blocks, tile, j, stages: HOPPER_FWD.ring_slot(j, stages))
-    with pytest.raises(AssertionError, match="'empty' barrier"):  # waits for the consumer's parity on "empty"
-        HOPPER_FWD.check_persistent_slot(lambda blocks, tile, j, stages: (
-            lambda slot: (slot[0], slot[1], slot[1]))(HOPPER_FWD.ring_slot(sum(blocks[:tile]) + j, stages)))
+def _round_robin_schedule(n_m, heads, programs):
+    plan = [[] for _ in range(programs)]
+    for t in range(n_m * heads):
+        plan[t % programs].append(divmod(t, n_m))
+    return plan
+
+
+def test_exercise_schedule_accepts_balanced_answers():
+    HOPPER_FWD.check_schedule(_pairs_schedule)
+
+    def longest_first(n_m, heads, programs):
+        plan, loads = [[] for _ in range(programs)], [0] * programs
+        for head, m in sorted(((h, m) for h in range(heads) for m in range(n_m)), key=lambda t: -t[1]):
+            least = loads.index(min(loads))
+            plan[least].append((head, m))
+            loads[least] += m + 1
+        return plan
+
+    HOPPER_FWD.check_schedule(longest_first)
+
+
+def test_exercise_schedule_rejects_round_robin_and_lost_tiles():
+    with pytest.raises(AssertionError, match="busiest program loads"):
+        HOPPER_FWD.check_schedule(_round_robin_schedule)
+    with pytest.raises(AssertionError, match="exactly once"):
+        HOPPER_FWD.check_schedule(lambda n_m, heads, programs: [tiles[1:] for tiles in
+                                                                _pairs_schedule(n_m, heads, programs)])
+    with pytest.raises(AssertionError, match="lists for"):
+        HOPPER_FWD.check_schedule(lambda n_m, heads, programs: _pairs_schedule(n_m, heads, programs)[:-1])
 
 
 def test_exercise_tma_ready():

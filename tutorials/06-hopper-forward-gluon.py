@@ -15,6 +15,8 @@ You will learn:
   TMA copies, mbarriers, asynchronous ``warpgroup_mma`` and ``warp_specialize``;
 * how a ring of buffers and its mbarrier *phases* work, with a picture of who waits for what;
 * how registers move between warps with ``setmaxnreg``;
+* why one program per SM that walks tile after tile beats one program per tile at short lengths,
+  and how pairs of causal tiles keep such programs evenly loaded;
 * why fp8 needs V stored with the keys contiguous on Hopper, and what fp8 buys;
 * what the host pays to launch a kernel that needs TMA descriptors, measured against GPU time.
 
@@ -34,7 +36,6 @@ numbers, and says why the Gluon kernel did not run.
 
 import functools
 import os
-import random
 
 import torch
 
@@ -162,7 +163,8 @@ if __name__ == "__main__":
 # \bmod 2`. The loader, before refilling that buffer, waits for "empty" to show that the previous
 # use was consumed: the opposite parity. A fresh barrier counts as having completed parity 1,
 # so the loader's first wait on each buffer passes at once. ``ring_slot`` computes what the kernel
-# computes, and the picture draws it.
+# computes, and the picture draws it. (The kernel numbers its key blocks across all the tiles that one
+# program handles, not from zero in each tile: see "One program per SM" below.)
 
 
 def ring_slot(j, stages):
@@ -232,6 +234,29 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E4
 
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 
+# %%
+# One program per SM
+# ------------------
+# At :math:`N = 1024` a tile of 128 queries meets only 8 key blocks, and a program that ran one
+# tile would spend much of its life starting and finishing: loading Q, waiting for the first K,
+# then the last product, the division by the row sums and the store of O, with the tensor cores
+# idle each time. So the kernel is *persistent*: it launches one program per SM, and program
+# ``pid`` walks tiles ``pid``, ``pid + programs``, and so on. Three things follow.
+#
+# * The ring runs on across tiles. The loader and the consumers count the program's key blocks
+#   (``used``), and every barrier's phase is wherever the previous tile left it.
+# * Q has barriers of its own. The consumers release Q after their last product with it, so the
+#   loader fetches the next tile's Q and first K and V while the consumers still finish the
+#   previous tile: its last product, its division and its store.
+# * Causal tiles differ in length: query block :math:`m` loads :math:`m + 1` key blocks. Handed
+#   out round robin, some programs would get mostly long tiles. Blocks :math:`m` and
+#   :math:`n_m - 1 - m` (of :math:`n_m`) together load :math:`n_m + 1`, so each program takes
+#   whole pairs, and every pair costs the same.
+#
+# Consecutive tiles belong to the same head, so the programs that run at the same time share
+# their K and V through L2, as they did when each tile had its own program. The cell after the
+# host's measures what persistence buys, with this same kernel launched one program per tile.
+
 WS_HEAD_DIMS = (64, 128)
 WS_BLOCK_M, WS_BLOCK_N, WS_STAGES = 128, 128, 2
 WS_CONSUMER_REGISTERS, WS_LOADER_REGISTERS = 240, 24
@@ -256,87 +281,153 @@ def _ws_softmax_step(s, m_i, l_i, qk_scale, rows, cols, N, MASKED: gl.constexpr,
 
 
 @gluon.jit
-def _ws_loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_full, k_full, k_empty, v_full, v_empty,
-               b, h, first_row, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    half: gl.constexpr = desc_q.block_type.shape[2]
-    mbarrier.expect(q_full, 2 * desc_q.block_type.nbytes)
-    _tma_load(desc_q, [b, h, first_row, 0], q_full, q_smem.index(0))
-    _tma_load(desc_q, [b, h, first_row + half, 0], q_full, q_smem.index(1))
-    for j in range(n_blocks):
-        stage = j % STAGES
-        phase = (j // STAGES) & 1
-        # K and V have their own barriers: a consumer is done with K_j long before V_j.
-        mbarrier.wait(k_empty.index(stage), phase ^ 1)
-        mbarrier.expect(k_full.index(stage), desc_k.block_type.nbytes)
-        _tma_load(desc_k, [b, h, j * BLOCK_N, 0], k_full.index(stage), k_smem.index(stage))
-        mbarrier.wait(v_empty.index(stage), phase ^ 1)
-        mbarrier.expect(v_full.index(stage), desc_v.block_type.nbytes)
-        _tma_load(desc_v, [b, h, j * BLOCK_N, 0], v_full.index(stage), v_smem.index(stage))
+def _ws_tile(k, pid, programs, n_m, CAUSAL: gl.constexpr):
+    """(query block, batch * head, whether to run it) of the k-th tile of program pid."""
+    if CAUSAL:
+        # Query block m loads m + 1 key blocks; blocks m and n_m - 1 - m together load n_m + 1. Each program
+        # takes whole pairs, the heavy tile first; when n_m is odd the middle block pairs with itself.
+        pairs = (n_m + 1) // 2
+        pair = pid + (k // 2) * programs
+        light = pair % pairs
+        heavy = n_m - 1 - light
+        return gl.where(k % 2 == 0, heavy, light), pair // pairs, (k % 2 == 0) | (light != heavy)
+    else:
+        t = pid + k * programs  # consecutive tiles share a head, so the programs running at once share its K, V
+        return t % n_m, t // n_m, t >= 0  # every tile runs; a tensor like the causal case's answer
 
 
 @gluon.jit
-def _ws_consumer(HALF: gl.constexpr, q_smem, k_smem, v_smem, q_full, k_full, k_empty, v_full, v_empty, O, LSE,
-                 qk_scale, b, h, bh, start_m, N, n_full, n_blocks, sob, soh, son, D: gl.constexpr,
-                 CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _ws_tile_count(pid, programs, n_m, BH, CAUSAL: gl.constexpr):
+    if CAUSAL:
+        return 2 * gl.cdiv((n_m + 1) // 2 * BH - pid, programs)
+    else:
+        return gl.cdiv(n_m * BH - pid, programs)
+
+
+@gluon.jit
+def _ws_key_blocks(start_m, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """(key blocks that need no mask, key blocks to load) for query block start_m."""
+    if CAUSAL:
+        n_full = start_m * (BLOCK_M // BLOCK_N)  # key blocks wholly below the diagonal
+        return n_full, gl.minimum(n_full + BLOCK_M // BLOCK_N, gl.cdiv(N, BLOCK_N))
+    else:
+        return N // BLOCK_N, gl.cdiv(N, BLOCK_N)
+
+
+@gluon.jit
+def _ws_loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty,
+               pid, programs, n_m, BH, H, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+               CAUSAL: gl.constexpr):
+    half: gl.constexpr = desc_q.block_type.shape[2]
+    used = 0  # key blocks loaded by this program so far: the ring runs on across tiles
+    tiles = 0
+    for k in range(_ws_tile_count(pid, programs, n_m, BH, CAUSAL)):
+        start_m, bh, run = _ws_tile(k, pid, programs, n_m, CAUSAL)
+        if run:
+            b = bh // H
+            h = bh % H
+            n_full, n_blocks = _ws_key_blocks(start_m, N, BLOCK_M, BLOCK_N, CAUSAL)
+            # The next tile's Q waits only until both consumers have issued their last product with this one.
+            mbarrier.wait(q_empty, (tiles & 1) ^ 1)
+            mbarrier.expect(q_full, 2 * desc_q.block_type.nbytes)
+            _tma_load(desc_q, [b, h, start_m * BLOCK_M, 0], q_full, q_smem.index(0))
+            _tma_load(desc_q, [b, h, start_m * BLOCK_M + half, 0], q_full, q_smem.index(1))
+            for j in range(n_blocks):
+                stage = (used + j) % STAGES
+                phase = ((used + j) // STAGES) & 1
+                # K and V have their own barriers: a consumer is done with K_j long before V_j.
+                mbarrier.wait(k_empty.index(stage), phase ^ 1)
+                mbarrier.expect(k_full.index(stage), desc_k.block_type.nbytes)
+                _tma_load(desc_k, [b, h, j * BLOCK_N, 0], k_full.index(stage), k_smem.index(stage))
+                mbarrier.wait(v_empty.index(stage), phase ^ 1)
+                mbarrier.expect(v_full.index(stage), desc_v.block_type.nbytes)
+                _tma_load(desc_v, [b, h, j * BLOCK_N, 0], v_full.index(stage), v_smem.index(stage))
+            used += n_blocks
+            tiles += 1
+
+
+@gluon.jit
+def _ws_consumer(HALF: gl.constexpr, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty, O,
+                 LSE, qk_scale, pid, programs, n_m, BH, H, N, sob, soh, son, D: gl.constexpr, CAUSAL: gl.constexpr,
+                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     # One warp group: wgmma's accumulator layouts for S (ROWS x BLOCK_N) and O (ROWS x D), and P
     # as the register operand of the second product.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(0, o_layout, 2)
-    dtype: gl.constexpr = q_smem.dtype
-    q = q_smem.index(HALF).reshape([ROWS, D])
-    rows = start_m * 2 * ROWS + HALF * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, s_layout))
-    cols = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
-    zeros = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    m_i = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([ROWS, D], gl.float32, o_layout)
-
-    # Block 0: S_0 and its exponentials, before the loop's steady state.
-    mbarrier.wait(q_full, 0)
-    mbarrier.wait(k_full.index(0), 0)
-    s = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), zeros, use_acc=False)
-    mbarrier.arrive(k_empty.index(0), count=1)
-    if n_full == 0:
-        p, m_i, l_i, alpha = _ws_softmax_step(s, m_i, l_i, qk_scale, rows, cols, N, True, CAUSAL)
-    else:
-        p, m_i, l_i, alpha = _ws_softmax_step(s, m_i, l_i, qk_scale, rows, cols, N, False, CAUSAL)
-    for j in range(1, n_blocks):
-        ks = j % STAGES
-        mbarrier.wait(k_full.index(ks), (j // STAGES) & 1)
-        s_next = warpgroup_mma(q, k_smem.index(ks).reshape([BLOCK_N, D]).permute((1, 0)), zeros, use_acc=False,
-                               is_async=True)
-        vs = (j - 1) % STAGES
-        mbarrier.wait(v_full.index(vs), ((j - 1) // STAGES) & 1)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        o_next = warpgroup_mma(p_op, v_smem.index(vs).reshape([BLOCK_N, D]), acc, is_async=True)
-        # wgmma groups finish in order: "at most 1 in flight" means S_j is ready, P_{j-1} V_{j-1} may still run.
-        s = warpgroup_mma_wait(1, deps=[s_next])
-        mbarrier.arrive(k_empty.index(ks), count=1)
-        if j >= n_full:
-            p, m_i, l_i, alpha = _ws_softmax_step(s, m_i, l_i, qk_scale, rows, cols + j * BLOCK_N, N, True, CAUSAL)
-        else:
-            p, m_i, l_i, alpha = _ws_softmax_step(s, m_i, l_i, qk_scale, rows, cols, N, False, CAUSAL)
-        acc, p_op = warpgroup_mma_wait(0, deps=[o_next, p_op])
-        mbarrier.arrive(v_empty.index(vs), count=1)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    vs = (n_blocks - 1) % STAGES
-    mbarrier.wait(v_full.index(vs), ((n_blocks - 1) // STAGES) & 1)
-    acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(vs).reshape([BLOCK_N, D]), acc)
-
-    gl.store(LSE + bh * N + rows, m_i + gl.log2(l_i), mask=rows < N)
-    o = (acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]).to(O.dtype.element_ty)
     # wgmma leaves each thread pairs of adjacent values, so stores from its layout are 4 bytes wide.
     # Rearranged first (the compiler goes through shared memory), each thread holds 8 adjacent values
     # and each warp whole rows: 16-byte, coalesced stores (the text before the kernel gives the gain).
     store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [4, 1], [1, 0])
-    o = gl.convert_layout(o, store_layout)
-    o_rows = start_m * 2 * ROWS + HALF * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, store_layout))
-    o_cols = gl.arange(0, D, gl.SliceLayout(0, store_layout))
-    # b and h stay 32-bit for the TMA coordinates; the pointer offset is 64-bit (it can pass 2**31 elements).
-    o_ptrs = O + b.to(gl.int64) * sob + h.to(gl.int64) * soh + o_rows[:, None] * son + o_cols[None, :]
-    gl.store(o_ptrs, o, mask=o_rows[:, None] < N)
+    dtype: gl.constexpr = q_smem.dtype
+    q = q_smem.index(HALF).reshape([ROWS, D])
+    cols = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+    zeros = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    used = 0
+    tiles = 0
+    for k in range(_ws_tile_count(pid, programs, n_m, BH, CAUSAL)):
+        start_m, bh, run = _ws_tile(k, pid, programs, n_m, CAUSAL)
+        if run:
+            n_full, n_blocks = _ws_key_blocks(start_m, N, 2 * ROWS, BLOCK_N, CAUSAL)
+            rows = start_m * 2 * ROWS + HALF * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, s_layout))
+            m_i = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
+            l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+            acc = gl.zeros([ROWS, D], gl.float32, o_layout)
+
+            # Block 0: S_0 and its exponentials, before the loop's steady state.
+            mbarrier.wait(q_full, tiles & 1)
+            ks = used % STAGES
+            mbarrier.wait(k_full.index(ks), (used // STAGES) & 1)
+            s = warpgroup_mma(q, k_smem.index(ks).reshape([BLOCK_N, D]).permute((1, 0)), zeros, use_acc=False)
+            mbarrier.arrive(k_empty.index(ks), count=1)
+            if n_blocks == 1:
+                mbarrier.arrive(q_empty, count=1)
+            if n_full == 0:
+                p, m_i, l_i, alpha = _ws_softmax_step(s, m_i, l_i, qk_scale, rows, cols, N, True, CAUSAL)
+            else:
+                p, m_i, l_i, alpha = _ws_softmax_step(s, m_i, l_i, qk_scale, rows, cols, N, False, CAUSAL)
+            for j in range(1, n_blocks):
+                ks = (used + j) % STAGES
+                mbarrier.wait(k_full.index(ks), ((used + j) // STAGES) & 1)
+                s_next = warpgroup_mma(q, k_smem.index(ks).reshape([BLOCK_N, D]).permute((1, 0)), zeros,
+                                       use_acc=False, is_async=True)
+                vs = (used + j - 1) % STAGES
+                mbarrier.wait(v_full.index(vs), ((used + j - 1) // STAGES) & 1)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                o_next = warpgroup_mma(p_op, v_smem.index(vs).reshape([BLOCK_N, D]), acc, is_async=True)
+                # wgmma groups finish in order: "at most 1 in flight" means S_j is ready, P_{j-1} V_{j-1} may
+                # still run.
+                s = warpgroup_mma_wait(1, deps=[s_next])
+                mbarrier.arrive(k_empty.index(ks), count=1)
+                if j == n_blocks - 1:
+                    mbarrier.arrive(q_empty, count=1)  # the tile's last product with Q is done
+                if j >= n_full:
+                    p, m_i, l_i, alpha = _ws_softmax_step(s, m_i, l_i, qk_scale, rows, cols + j * BLOCK_N, N, True,
+                                                          CAUSAL)
+                else:
+                    p, m_i, l_i, alpha = _ws_softmax_step(s, m_i, l_i, qk_scale, rows, cols, N, False, CAUSAL)
+                acc, p_op = warpgroup_mma_wait(0, deps=[o_next, p_op])
+                mbarrier.arrive(v_empty.index(vs), count=1)
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            vs = (used + n_blocks - 1) % STAGES
+            mbarrier.wait(v_full.index(vs), ((used + n_blocks - 1) // STAGES) & 1)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(vs).reshape([BLOCK_N, D]), acc)
+            mbarrier.arrive(v_empty.index(vs), count=1)
+            used += n_blocks
+            tiles += 1
+
+            # While this epilogue runs, the loader is already filling Q and K of the program's next tile.
+            gl.store(LSE + bh * N + rows, m_i + gl.log2(l_i), mask=rows < N)
+            o = (acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]).to(O.dtype.element_ty)
+            o = gl.convert_layout(o, store_layout)
+            o_rows = start_m * 2 * ROWS + HALF * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, store_layout))
+            o_cols = gl.arange(0, D, gl.SliceLayout(0, store_layout))
+            # b and h stay 32-bit for the TMA coordinates; the pointer offset is 64-bit (it can pass 2**31
+            # elements).
+            o_ptrs = (O + (bh // H).to(gl.int64) * sob + (bh % H).to(gl.int64) * soh + o_rows[:, None] * son
+                      + o_cols[None, :])
+            gl.store(o_ptrs, o, mask=o_rows[:, None] < N)
 
 
 @gluon.jit
@@ -349,42 +440,35 @@ def _ws_barrier_ring(STAGES: gl.constexpr, ARRIVALS: gl.constexpr):
 
 
 @gluon.jit
-def attn_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, qk_scale, H, N, sob, soh, son,
+def attn_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, qk_scale, H, BH, N, sob, soh, son,
                        D: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr, LOADER_REGISTERS: gl.constexpr):
-    start_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)  # as in lesson 05
-    bh = gl.program_id(1)
-    b = bh // H
-    h = bh % H
-    if CAUSAL:
-        n_full = start_m * (BLOCK_M // BLOCK_N)  # key blocks wholly below the diagonal
-        n_blocks = gl.minimum(n_full + BLOCK_M // BLOCK_N, gl.cdiv(N, BLOCK_N))
-    else:
-        n_full = N // BLOCK_N
-        n_blocks = gl.cdiv(N, BLOCK_N)
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    n_m = gl.cdiv(N, BLOCK_M)
     dtype: gl.constexpr = desc_q.dtype
     # Leading 1, 1: the TMA boxes are 4-D (batch, head, rows, D); the consumers view them as 2-D.
     q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M // 2, D], desc_q.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, D], desc_k.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, D], desc_v.layout)
-    q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_full, count=1)
+    q_full = _ws_barrier_ring(1, 1).index(0)
+    q_empty = _ws_barrier_ring(1, 2).index(0)  # one arrival from each consumer
     k_full = _ws_barrier_ring(STAGES, 1)
     v_full = _ws_barrier_ring(STAGES, 1)
-    k_empty = _ws_barrier_ring(STAGES, 2)  # one arrival from each consumer
+    k_empty = _ws_barrier_ring(STAGES, 2)
     v_empty = _ws_barrier_ring(STAGES, 2)
     # The argument tuples are written out in the call: a tuple stored in a variable first would
     # turn its compile-time constants into run-time values.
     gl.warp_specialize([
-        (_ws_consumer, (0, q_smem, k_smem, v_smem, q_full, k_full, k_empty, v_full, v_empty, O, LSE, qk_scale, b, h,
-                        bh, start_m, N, n_full, n_blocks, sob, soh, son, D, CAUSAL, BLOCK_M // 2, BLOCK_N, STAGES)),
-        (_ws_consumer, (1, q_smem, k_smem, v_smem, q_full, k_full, k_empty, v_full, v_empty, O, LSE, qk_scale, b, h,
-                        bh, start_m, N, n_full, n_blocks, sob, soh, son, D, CAUSAL, BLOCK_M // 2, BLOCK_N, STAGES)),
-        (_ws_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_full, k_full, k_empty, v_full, v_empty,
-                      b, h, start_m * BLOCK_M, n_blocks, BLOCK_N, STAGES)),
+        (_ws_consumer, (0, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty, O, LSE,
+                        qk_scale, pid, programs, n_m, BH, H, N, sob, soh, son, D, CAUSAL, BLOCK_M // 2, BLOCK_N,
+                        STAGES)),
+        (_ws_consumer, (1, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty, O, LSE,
+                        qk_scale, pid, programs, n_m, BH, H, N, sob, soh, son, D, CAUSAL, BLOCK_M // 2, BLOCK_N,
+                        STAGES)),
+        (_ws_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full,
+                      v_empty, pid, programs, n_m, BH, H, N, BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
     ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])
-
-
 
 
 def tma_loadable(t):
@@ -424,18 +508,25 @@ def _ws_descriptor(t, rows):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, D], _ws_box_layout(rows, D, t.dtype))
 
 
-def _ws_forward(q, k, v, o, lse, causal, sm_scale):
+@functools.lru_cache
+def _sm_count(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _ws_forward(q, k, v, o, lse, causal, sm_scale, programs=None):
+    """The persistent kernel, with one program per SM unless programs says how many."""
     B, H, N, D = q.shape
+    n_m = V2.host_cdiv(N, WS_BLOCK_M)
+    work = (n_m + 1) // 2 * B * H if causal else n_m * B * H  # pairs of tiles, or tiles
+    programs = min(programs or _sm_count(q.device.index), work)
     # Lesson 05's launch plans ("The launcher and autograd"): the descriptors hold this call's tensors, so they
     # are among the arguments passed afresh.
     V2.launch_planned(
-        V2.plan_key(q, k, v), attn_fwd_ws_kernel, (V2.host_cdiv(N, WS_BLOCK_M), B * H), 6,
+        V2.plan_key(q, k, v), attn_fwd_ws_kernel, (programs,), 6,
         (_ws_descriptor(q, WS_BLOCK_M // 2), _ws_descriptor(k, WS_BLOCK_N), _ws_descriptor(v, WS_BLOCK_N), o, lse,
-         sm_scale * V2.LOG2E, H, N, *o.stride()[:3]),
+         sm_scale * V2.LOG2E, H, B * H, N, *o.stride()[:3]),
         dict(D=D, CAUSAL=causal, BLOCK_M=WS_BLOCK_M, BLOCK_N=WS_BLOCK_N, STAGES=WS_STAGES,
              CONSUMER_REGISTERS=WS_CONSUMER_REGISTERS, LOADER_REGISTERS=WS_LOADER_REGISTERS), num_warps=4)
-
-
 
 
 # %%
@@ -851,18 +942,46 @@ elif __name__ == "__main__":
     print("Launch overhead is a GPU question: under the interpreter every call runs on the host anyway.")
 
 # %%
+# What one program per SM buys
+# ----------------------------
+# The Gluon kernel twice, by GPU time per call (the profiler's, as above): with one program per SM,
+# as ``attention`` launches it, and with one program per tile (per pair of tiles under causal
+# masking), which is how a kernel that is not persistent runs: every program then starts and
+# finishes with nothing to overlap. The same kernel, the same tiles and the same bits either way;
+# only the number of programs differs.
+
+if __name__ == "__main__" and ON_GPU:
+    for B, H, D in cases:
+        for causal in (False, True):
+            gains = []
+            for N in (sizes[0], sizes[1], sizes[-1]):
+                q, k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16) for _ in range(3))
+                if warp_specialized_unsupported(q, k, v) is not None:
+                    continue
+                o, lse = torch.empty_like(q), torch.empty((B, H, N), device=DEVICE)
+                ms = {programs: sum(kernel_ms(functools.partial(_ws_forward, q, k, v, o, lse, causal, D ** -0.5,
+                                                                programs)).values())
+                      for programs in (None, B * H * V2.host_cdiv(N, WS_BLOCK_M))}
+                per_sm, per_tile = ms.values()
+                gains.append(f"N={N}: {1e3 * per_tile:.0f} -> {1e3 * per_sm:.0f} us ({per_tile / per_sm:.2f}x)")
+            if gains:
+                print(f"D={D:3d} {'causal    ' if causal else 'non-causal'} one program per tile -> one per SM: "
+                      + ", ".join(gains))
+elif __name__ == "__main__":
+    print("Persistence is a GPU question: the interpreter runs one program after another anyway.")
+
+# %%
 # Exercises
 # ---------
-# 1. **A ring that outlives a tile.** A *persistent* kernel, the design cuDNN and
-#    FlashAttention-3 use, keeps one program per SM alive and hands it one query tile after another.
-#    Its ring of buffers and their barriers do not start over with each tile: every barrier's phase
-#    is wherever the previous tile left it. Write ``persistent_slot(blocks, tile, j, stages)``,
-#    returning ``ring_slot``'s three values for key block ``j`` of the ``tile``-th tile that the
-#    program handles, where ``blocks[t]`` is how many key blocks tile ``t`` loads (with causal
-#    masking, tiles differ). Then ``check_persistent_slot(persistent_slot)`` runs your answer
-#    against simulated barriers over tiles of uneven lengths. The tempting answer, counting ``j``
-#    from zero in each tile, waits for the wrong parity there: on a GPU, a hang or a read of a
-#    buffer that is still being filled.
+# 1. **Balancing causal tiles.** Under causal masking query block :math:`m` of a head loads
+#    :math:`m + 1` key blocks. Write ``schedule(n_m, heads, programs)``: for each program, the list
+#    of ``(head, m)`` tiles it runs, so that every tile of every head runs exactly once and no
+#    program loads more than an even share of the key blocks plus :math:`n_m` (one tile's worth).
+#    ``check_schedule(schedule)`` tries it at several sizes and prints how close your busiest
+#    program comes to the even share. The tempting answer, tile :math:`t` to program
+#    :math:`t \bmod` ``programs``, fails at the shortest length here (8 blocks, 128 heads, 132
+#    programs): the check says by how much. The kernel's pairs are one answer; longest tile first to
+#    the least loaded program is another, which a kernel would have to read from a table.
 # 2. **Making a tensor loadable.** Write ``tma_ready(t)``: a tensor with the values of the 4-D
 #    tensor ``t`` that TMA can load (``tma_loadable`` above says what that takes), the same
 #    tensor where it already is, a copy only where it is not. Then
@@ -871,30 +990,22 @@ elif __name__ == "__main__":
 #    already contiguous, even where its data starts off a 16-byte boundary.
 
 
-def check_persistent_slot(fn):
-    """Your persistent_slot against simulated "full" and "empty" barriers, for 1 to 4 stages."""
-    blocks = [3, 5, 2, 7, 1, 4]  # key blocks per tile, uneven as under causal masking
-    order = [(tile, j) for tile, count in enumerate(blocks) for j in range(count)]
-    for stages in range(1, 5):
-        # Asked in a shuffled order, so that an answer must compute each slot, not count its calls.
-        answers = {key: fn(blocks, *key, stages) for key in random.sample(order, len(order))}
-        full, empty = [1] * stages, [1] * stages  # parity of each barrier's last completed phase
-        for tile, count in enumerate(blocks):
-            for j in range(count):
-                use = sum(blocks[:tile]) + j  # this block's place in the program's whole stream of loads
-                buffer, full_parity, empty_parity = answers[tile, j]
-                where = f"tile {tile}, block {j}, {stages} stages"
-                if buffer != use % stages:
-                    raise AssertionError(f"{where}: the block goes to buffer {use % stages}, not {buffer}")
-                if empty_parity != empty[buffer]:
-                    raise AssertionError(f"{where}: the loader waits for parity {empty_parity} on buffer {buffer}'s "
-                                         f"'empty' barrier, whose last completed phase has parity {empty[buffer]}")
-                full[buffer] ^= 1  # the load lands
-                if full_parity != full[buffer]:
-                    raise AssertionError(f"{where}: the consumer waits for parity {full_parity} on buffer {buffer}'s "
-                                         f"'full' barrier, whose last completed phase has parity {full[buffer]}")
-                empty[buffer] ^= 1  # the consumers release the buffer
-    print("persistent_slot waits for the right parities at every block of every tile, for 1 to 4 stages.")
+def check_schedule(fn):
+    """Your schedule: every causal tile once, and the busiest program within one tile of an even share."""
+    for n_m, heads, programs in [(8, 128, 132), (16, 128, 132), (128, 64, 132), (7, 5, 3), (1, 3, 4)]:
+        plan = fn(n_m, heads, programs)
+        if len(plan) != programs:
+            raise AssertionError(f"{n_m} blocks, {heads} heads: {len(plan)} lists for {programs} programs")
+        tiles = sorted(tile for tiles in plan for tile in tiles)
+        if tiles != [(h, m) for h in range(heads) for m in range(n_m)]:
+            raise AssertionError(f"{n_m} blocks, {heads} heads: every (head, m) must run exactly once")
+        even = -(-(heads * n_m * (n_m + 1) // 2) // programs)  # the total, divided and rounded up
+        busiest = max(sum(m + 1 for _, m in tiles) for tiles in plan)
+        if busiest > even + n_m:
+            raise AssertionError(f"{n_m} blocks, {heads} heads, {programs} programs: the busiest program loads "
+                                 f"{busiest} key blocks, {busiest / even:.2f}x the even share of {even}")
+        print(f"{n_m} blocks, {heads} heads, {programs} programs: busiest {busiest} key blocks, even share {even}")
+    print("schedule runs every tile once and keeps every program within one tile of its share.")
 
 
 def check_tma_ready(fn):
