@@ -897,6 +897,18 @@ def test_the_gluon_check_runs_only_when_its_answer_matters(monkeypatch):
         HOPPER_FWD.use_warp_specialized(q, q, q, True, 0.125, "yes")
 
 
+def test_the_sweep_breaks_near_ties_between_paths_by_host_time():
+    import tune
+    # The case that went wrong: Gluon 3% cheaper, its host time almost its whole cost.
+    cost, host = {"two-pass": 0.328, "gluon": 0.318, "atomic": 0.406}, {"two-pass": 0.231, "gluon": 0.311,
+                                                                      "atomic": 0.273}
+    assert tune.steadiest_of_the_fastest(cost, host) == "two-pass"
+    assert tune.steadiest_of_the_fastest(cost, host, tied=0.0) == "gluon"  # no tie: the cheapest
+    # A clear win is kept whatever it asks of the host; equal host times fall back to the cost.
+    assert tune.steadiest_of_the_fastest({"a": 1.0, "b": 1.2}, {"a": 0.9, "b": 0.1}) == "a"
+    assert tune.steadiest_of_the_fastest({"a": 1.01, "b": 1.0}, {"a": 0.0, "b": 0.0}) == "b"
+
+
 def test_the_sweep_keeps_every_bucket_within_a_tie_of_its_fastest_with_fewer_configurations():
     import random
 
