@@ -446,10 +446,10 @@ def _ws_backward(q, k, v, do, lse, delta, causal, sm_scale):
 
 # BEGIN tools/tune.py backward paths: written by the sweep; run it again rather than edit these lines.
 BACKWARD_PATHS = V2.by_bucket({
-    (64, False): ['gluon', 'gluon', 'gluon', 'gluon', 'gluon'],
+    (64, False): ['two-pass', 'gluon', 'gluon', 'gluon', 'gluon'],
     (64, True): ['two-pass', 'two-pass', 'gluon', 'gluon', 'gluon'],
     (128, False): ['two-pass', 'gluon', 'gluon', 'gluon', 'gluon'],
-    (128, True): ['two-pass', 'gluon', 'gluon', 'gluon', 'gluon'],
+    (128, True): ['two-pass', 'two-pass', 'gluon', 'gluon', 'gluon'],
 })
 # END tools/tune.py backward paths
 
