@@ -425,8 +425,7 @@ def _ws_consumer(HALF: gl.constexpr, q_smem, k_smem, v_smem, q_full, q_empty, k_
             o = gl.convert_layout(o, store_layout)
             o_rows = start_m * 2 * ROWS + HALF * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, store_layout))
             o_cols = gl.arange(0, D, gl.SliceLayout(0, store_layout))
-            # b and h stay 32-bit for the TMA coordinates; the pointer offset is 64-bit (it can pass 2**31
-            # elements).
+            # The pointer offset is 64-bit: it can pass 2**31 elements.
             o_ptrs = (O + (bh // H).to(gl.int64) * sob + (bh % H).to(gl.int64) * soh + o_rows[:, None] * son
                       + o_cols[None, :])
             gl.store(o_ptrs, o, mask=o_rows[:, None] < N)
