@@ -554,7 +554,7 @@ def _ws_forward(q, k, v, o, lse, causal, sm_scale, programs=None):
 
 # BEGIN tools/tune.py forward paths: written by the sweep; run it again rather than edit these lines.
 FORWARD_PATHS = V2.by_bucket({
-    (64, False): ['portable', 'gluon', 'gluon', 'gluon', 'portable'],
+    (64, False): ['portable', 'gluon', 'gluon', 'gluon', 'gluon'],
     (64, True): ['portable', 'gluon', 'gluon', 'gluon', 'gluon'],
     (128, False): ['portable', 'gluon', 'gluon', 'gluon', 'gluon'],
     (128, True): ['portable', 'gluon', 'gluon', 'gluon', 'gluon'],
