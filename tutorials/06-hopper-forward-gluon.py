@@ -328,7 +328,7 @@ def _ws_loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_full, q_empty, 
         if run:
             b = bh // H
             h = bh % H
-            n_full, n_blocks = _ws_key_blocks(start_m, N, BLOCK_M, BLOCK_N, CAUSAL)
+            _, n_blocks = _ws_key_blocks(start_m, N, BLOCK_M, BLOCK_N, CAUSAL)
             # The next tile's Q waits only until both consumers have issued their last product with this one.
             mbarrier.wait(q_empty, (tiles & 1) ^ 1)
             mbarrier.expect(q_full, 2 * desc_q.block_type.nbytes)
@@ -957,9 +957,11 @@ elif __name__ == "__main__":
 # way.
 
 if __name__ == "__main__" and ON_GPU:
+    import pandas as pd
+
+    persistence = []
     for B, H, D in cases:
         for causal in (False, True):
-            gains = []
             for N in (sizes[0], sizes[1], sizes[-1]):
                 q, k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16) for _ in range(3))
                 if warp_specialized_unsupported(q, k, v) is not None:
@@ -971,13 +973,18 @@ if __name__ == "__main__" and ON_GPU:
                     for name in order:
                         call = functools.partial(_ws_forward, q, k, v, o, lse, causal, D ** -0.5, programs[name])
                         ms[name] = min(ms.get(name, float("inf")), sum(kernel_ms(call).values()))
-                per_sm, per_tile = ms["per SM"], ms["per tile"]
-                gains.append(f"N={N}: {1e3 * per_tile:.0f} -> {1e3 * per_sm:.0f} us ({per_tile / per_sm:.2f}x)")
-            if gains:
-                unit = "causal, one program per pair of tiles" if causal else "non-causal, one program per tile"
-                print(f"D={D:3d} {unit} -> one per SM: " + ", ".join(gains))
+                persistence.append({"D": D, "causal": causal, "N": N,
+                                    "one per tile or pair (us)": round(1e3 * ms["per tile"]),
+                                    "one per SM (us)": round(1e3 * ms["per SM"]),
+                                    "gain": round(ms["per tile"] / ms["per SM"], 2)})
 elif __name__ == "__main__":
     print("Persistence is a GPU question: the interpreter runs one program after another anyway.")
+
+# %%
+# On a GPU, the kernel's time per call launched with one program per tile (per pair of tiles under
+# the causal mask) and with one per SM, and the gain:
+
+pd.DataFrame(persistence).set_index(["D", "causal", "N"]) if __name__ == "__main__" and ON_GPU else None
 
 # %%
 # Exercises
