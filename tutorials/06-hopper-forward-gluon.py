@@ -328,7 +328,7 @@ def _ws_loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_full, q_empty, 
         if run:
             b = bh // H
             h = bh % H
-            _, n_blocks = _ws_key_blocks(start_m, N, BLOCK_M, BLOCK_N, CAUSAL)
+            n_full, n_blocks = _ws_key_blocks(start_m, N, BLOCK_M, BLOCK_N, CAUSAL)
             # The next tile's Q waits only until both consumers have issued their last product with this one.
             mbarrier.wait(q_empty, (tiles & 1) ^ 1)
             mbarrier.expect(q_full, 2 * desc_q.block_type.nbytes)
