@@ -981,10 +981,10 @@ elif __name__ == "__main__":
     print("Persistence is a GPU question: the interpreter runs one program after another anyway.")
 
 # %%
-# On a GPU, the kernel's time per call launched with one program per tile (per pair of tiles under
-# the causal mask) and with one per SM, and the gain:
+# On a Hopper GPU, the kernel's time per call launched with one program per tile (per pair of tiles
+# under the causal mask) and with one per SM, and the gain:
 
-pd.DataFrame(persistence).set_index(["D", "causal", "N"]) if __name__ == "__main__" and ON_GPU else None
+pd.DataFrame(persistence).set_index(["D", "causal", "N"]) if __name__ == "__main__" and ON_GPU and persistence else None
 
 # %%
 # Exercises
