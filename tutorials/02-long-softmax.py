@@ -722,10 +722,11 @@ elif __name__ == "__main__":
 # 65,536 (64 per thread) cannot. On a GPU, this cell compiles the row-on-chip kernel with 32 warps
 # for rows of 16,384, 32,768 and 65,536 fp32 values (it launches the kernel directly, past the
 # launcher's limit) and prints what the compiler gave it, registers and local memory (spills) per
-# thread, and its speed on :math:`M = 4096` rows. Without a GPU there is no compiled kernel to ask.
-# Compiled offline for sm_90 with Triton 3.6 and 3.9, in fp32 and bf16, it used 42 to 48, 54 to 56,
-# and 64 registers per thread for those three lengths, and spilled only at 65,536 (268 to 456 bytes
-# of spill stores per thread).
+# thread, and its speed on :math:`M = 4096` rows. Without a GPU there is no compiled kernel to ask;
+# for that reader, a compile made offline for sm_90 with Triton 3.6 and 3.9, in fp32 and bf16 (not
+# this page's numbers) used 42 to 48, 54 to 56 and 64 registers per thread for those three lengths,
+# and spilled only at 65,536 (268 to 456 bytes of spill stores per thread, as ptxas counts them).
+# The GPU's own compile below can use fewer registers than that, but it too runs out at 65,536.
 
 if __name__ == "__main__" and ON_GPU:
     for block_n in (16384, 32768, 65536):
