@@ -285,6 +285,20 @@ def test_rows_of_lse_padded_for_tma(n, block_m, rng):
     assert torch.equal(desc.base[:, :n], x)
 
 
+@pytest.mark.parametrize("rows", [32, 64, 128])
+def test_the_launchers_descriptors_hold_what_a_checked_one_holds(rows, rng):
+    """CheckedDescriptor skips TensorDescriptor's checks, which TensorDescriptor would pass for these inputs:
+    a transposed view, as the lessons feed, with every field the launcher reads the same."""
+    t = torch.randn(2, 77, 3, 128, generator=rng).to(torch.float16).transpose(1, 2)
+    checked = HOPPER_FWD._ws_descriptor(t, rows)
+    assert isinstance(checked, HOPPER_FWD.TensorDescriptor)
+    plain = HOPPER_FWD.TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, 128],
+                                        HOPPER_FWD._ws_box_layout(rows, 128, t.dtype))
+    for field in ("shape", "strides", "block_shape", "layout", "padding"):
+        assert getattr(checked, field) == getattr(plain, field), field
+    assert checked.base is t
+
+
 def test_fp8_refused_without_fp8_tensor_cores():
     if V1.fp8_supported():
         pytest.skip("this GPU has fp8 tensor cores")

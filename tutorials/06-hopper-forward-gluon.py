@@ -503,10 +503,20 @@ def _ws_box_layout(rows, D, dtype):
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, D], gl.float16 if dtype == torch.float16 else gl.bfloat16)
 
 
+class CheckedDescriptor(TensorDescriptor):
+    """A TensorDescriptor that skips its own checks. TensorDescriptor checks alignment, strides and the box
+    each time one is made, which is host time on every call (the last section measures a call's host
+    time); the launchers make descriptors only of tensors that warp_specialized_unsupported accepted or
+    that they allocated themselves, so those checks would repeat what is already known."""
+
+    def __post_init__(self):
+        pass
+
+
 def _ws_descriptor(t, rows):
     """A TMA descriptor for (1, 1, rows, D) boxes of a (B, H, N, D) tensor, with whatever strides it has."""
     D = t.shape[-1]
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, D], _ws_box_layout(rows, D, t.dtype))
+    return CheckedDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, D], _ws_box_layout(rows, D, t.dtype))
 
 
 @functools.lru_cache

@@ -194,7 +194,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 
 _tma_load, _ws_barrier_ring = FWD._tma_load, FWD._ws_barrier_ring
 
@@ -402,7 +401,7 @@ def _ws_row_descriptor(x, block_m):
     rows, n = x.shape
     if n % 4:
         x = torch.zeros((rows, n + 4 - n % 4), dtype=x.dtype, device=x.device)[:, :n].copy_(x)
-    return TensorDescriptor(x, [rows, n], list(x.stride()), [1, block_m], _WS_ROW_LAYOUT)
+    return FWD.CheckedDescriptor(x, [rows, n], list(x.stride()), [1, block_m], _WS_ROW_LAYOUT)
 
 
 def _ws_backward(q, k, v, do, lse, delta, causal, sm_scale):
@@ -421,7 +420,7 @@ def _ws_backward(q, k, v, do, lse, delta, causal, sm_scale):
         (FWD._ws_descriptor(q, block_m), FWD._ws_descriptor(k, WS_BWD_BLOCK_N // 2),
          FWD._ws_descriptor(v, WS_BWD_BLOCK_N // 2), FWD._ws_descriptor(do, block_m), _ws_row_descriptor(lse, block_m),
          _ws_row_descriptor(delta, block_m),
-         TensorDescriptor(dq, list(dq.shape), list(dq.stride()), [1, 1, block_m, 32], _WS_DQ_LAYOUT),
+         FWD.CheckedDescriptor(dq, list(dq.shape), list(dq.stride()), [1, 1, block_m, 32], _WS_DQ_LAYOUT),
          dk, dv, sm_scale * V2.LOG2E, sm_scale, H, N),
         dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=WS_BWD_BLOCK_N, STAGES=WS_BWD_STAGES,
              CONSUMER_REGISTERS=FWD.WS_CONSUMER_REGISTERS, LOADER_REGISTERS=FWD.WS_LOADER_REGISTERS), num_warps=4)
