@@ -299,6 +299,15 @@ def test_the_launchers_descriptors_hold_what_a_checked_one_holds(rows, rng):
     assert checked.base is t
 
 
+def test_the_paths_only_sweep_refuses_lengths_the_tables_do_not_have():
+    import tune
+
+    with pytest.raises(SystemExit, match=r"buckets \(1024, 2048, 4096, 8192, 16384\), got \[1000\]"):
+        tune.tune_attention_paths([1000])
+    with pytest.raises(SystemExit, match="got \\[\\]"):
+        tune.tune_attention_paths([])
+
+
 def test_fp8_refused_without_fp8_tensor_cores():
     if V1.fp8_supported():
         pytest.skip("this GPU has fp8 tensor cores")

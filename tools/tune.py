@@ -4,6 +4,7 @@
     python tools/tune.py split-row      # chunk and warps of lesson 02's row-sharing kernel
     python tools/tune.py attention      # lesson 05's tiles, and the fastest forward and backward of 06 and 07:
                                         # rewrites the tables in those lessons
+    python tools/tune.py attention-paths 1024   # only the forward and backward choices, at these lengths
 
 Prints, per problem, the fastest settings and their speed next to the lesson's current choice.
 Uses the lessons' own kernels (imported, not copied); needs a CUDA GPU.
@@ -144,13 +145,73 @@ def steadiest_of_the_fastest(cost, host, tied=PATH_TIED):
     return min(near, key=lambda path: (host[path], cost[path]))
 
 
+HEADS = {64: 32, 128: 16}  # B = 4, H * D = 2048, as in the lessons' benchmarks
+
+
+def attention_inputs(D, N):
+    return [torch.randn(4, HEADS[D], N, D, device="cuda", dtype=torch.float16, requires_grad=True)
+            for _ in range(3)]
+
+
+def fastest_paths(D, causal, N):
+    """(forward path, backward path) to run in one case, with the tiles that the lessons' tables hold now: the
+    faster forward (Gluon or portable) and the fastest backward (Gluon, two-pass or atomic), each costing the
+    slower of its GPU time and the host's time per call, as a user's back-to-back calls see it (on a near-tie,
+    the one with less host time: steadiest_of_the_fastest). Prints what it measured."""
+    V1, V2 = load("04-fused-attention-v1"), load("05-fused-attention-v2")
+    FWD, HOPPER = load("06-hopper-forward-gluon"), load("07-hopper-backward-gluon")
+    q, k, v = attention_inputs(D, N)
+    case, scale = (D, causal, N), D ** -0.5
+    tflops = lambda ms, work=4 * 4 * HEADS[D] * N * N * D * (0.5 if causal else 1.0): work / ms * 1e-9  # noqa: E731
+    gluon_runs = FWD.warp_specialized_unsupported(q, k, v) is None
+    forwards = {"portable": lambda: V2.attention(q, k, v, causal, scale)}
+    backwards = {"two-pass": lambda q, k, v: V2.attention(q, k, v, causal, scale, False),
+                 "atomic": lambda q, k, v: V2.attention(q, k, v, causal, scale, True)}
+    if gluon_runs:
+        forwards["gluon"] = lambda: FWD.attention(q, k, v, causal, scale, warp_specialized=True)
+        backwards["gluon"] = lambda q, k, v: HOPPER.attention(q, k, v, causal, scale, warp_specialized=True)
+    # In alternating rounds, timed again where two timings disagree, as the lessons' benchmarks
+    # time them: one timing each let noise pick the path at the shortest lengths.
+    timers = {(path, "fwd"): functools.partial(V1.bench_ms, fn) for path, fn in forwards.items()}
+    timers.update({(path, "bwd"): functools.partial(V1.backward_ms, fn, q, k, v)
+                   for path, fn in backwards.items()})
+    measured = V1.measure_in_rounds(timers, f"D={D}, N={N}, causal={causal}")
+    # The benchmark clears L2 before each timed call, which hides up to that write's GPU time of
+    # host time; a user's back-to-back calls hide none. So a path costs the slower of its GPU time
+    # and the host's time to enqueue one call: where the host paces the GPU (the shortest
+    # lengths), the path that asks less of the host wins, on any build machine's processor.
+    # A call's host time is a fraction of a millisecond: longer calls skip the measurement, which
+    # would wait for hundreds of them.
+    host = {}
+    for (path, mode), ms in measured.items():
+        if min(ms) > 1.0:
+            host[path, mode] = 0.0
+        elif mode == "fwd":
+            host[path, mode] = FWD.host_ms(forwards[path])
+        else:
+            host[path, mode] = FWD.host_ms(V1.backward_call(backwards[path], q, k, v))
+    cost = {key: max(min(ms), host[key]) for key, ms in measured.items()}
+    forward = {path: ms for (path, mode), ms in cost.items() if mode == "fwd"}
+    backward_times = {path: ms for (path, mode), ms in cost.items() if mode == "bwd"}
+    sdpa = V1.sdpa_providers(causal, scale, ["SDPA cuDNN"])["SDPA cuDNN"]
+    peer_fwd, peer_bwd = V1.bench_ms(lambda: sdpa(q, k, v)), V1.backward_ms(sdpa, q, k, v)
+    print(f"D={D} causal={causal!s:5} N={N:5d} fwd " +
+          " ".join(f"{p} {tflops(ms):.0f}" for p, ms in forward.items()) +
+          f" cuDNN {tflops(peer_fwd):.0f} TFLOP/s | bwd " +
+          " ".join(f"{p} {2.5 * tflops(ms):.0f}" for p, ms in backward_times.items()) +
+          f" cuDNN {2.5 * tflops(peer_bwd):.0f} | host us " +
+          " ".join(f"{p}-{m} {1e3 * ms:.0f}" for (p, m), ms in host.items()) + " | " +
+          " ".join(f"{name} {V2.TUNED_CONFIGS[(name, *case)]}" for name in V2.INTERPRETER_CONFIGS),
+          flush=True)
+    return (steadiest_of_the_fastest(forward, {p: host[p, "fwd"] for p in forward}),
+            steadiest_of_the_fastest(backward_times, {p: host[p, "bwd"] for p in backward_times}))
+
+
 def tune_attention():
     """For each head dim, masking and sequence length of lesson 05's benchmark: the GPU time of every tile
     configuration of each of lesson 05's kernels, then (fewest_configs) one configuration per bucket with
-    as few distinct ones as keep every bucket within TIED of its fastest. With those, the faster forward
-    (Gluon or portable) and the fastest backward (Gluon, two-pass or atomic), each costing the slower of
-    its GPU time and the host's time per call, as a user's back-to-back calls see it (on a near-tie, the
-    one with less host time: steadiest_of_the_fastest). Writes the tables into lessons 05, 06 and 07.
+    as few distinct ones as keep every bucket within TIED of its fastest. With those, fastest_paths picks
+    each case's forward and backward. Writes the tables into lessons 05, 06 and 07.
 
     Tiles are compared by the kernel's own GPU time, from the profiler: every tile of one kernel costs
     the host the same, and at short lengths the host's time per call varies more on a shared machine
@@ -158,9 +219,7 @@ def tune_attention():
     V1 = load("04-fused-attention-v1")
     V2 = load("05-fused-attention-v2")
     FWD = load("06-hopper-forward-gluon")
-    HOPPER = load("07-hopper-backward-gluon")
     sizes = (1024, 2048, 4096, 8192, 16384)
-    heads = {64: 32, 128: 16}  # B = 4, H * D = 2048, as in the lessons' benchmarks
     # The launchers read the table while it is being filled: each timing below runs one candidate.
     V2.TUNED_ON.clear()
     V2.TUNED_ON.update(gpu=torch.cuda.get_device_name(), capability=torch.cuda.get_device_capability(),
@@ -168,16 +227,12 @@ def tune_attention():
                        buckets=sizes)
     V2.TUNED_CONFIGS.clear()
 
-    def inputs(D, N):
-        return [torch.randn(4, heads[D], N, D, device="cuda", dtype=torch.float16, requires_grad=True)
-                for _ in range(3)]
-
     def kernel_ms(fn, kernel):
         """GPU milliseconds per call of fn spent in the kernel named kernel, on a warm GPU."""
         return FWD.kernel_ms(fn, max(3, min(30, V1.warm_up(fn))))[kernel]
 
     times = {}  # (kernel name, D, causal) -> {N: {configuration: ms}}
-    for D in heads:
+    for D in HEADS:
         shapes = {name: [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
                          for c in prune(V2._configs(candidates), {}, D=D)]
                   for name, prune, candidates in (("fwd", V2._prune_fwd, V2.FWD_SHAPES),
@@ -185,7 +240,7 @@ def tune_attention():
         for causal in (False, True):
             scale = D ** -0.5
             for N in sizes:
-                q, k, v = (t.detach() for t in inputs(D, N))
+                q, k, v = (t.detach() for t in attention_inputs(D, N))
                 o, lse = V2.forward(q, k, v, causal, scale)
                 do = torch.randn_like(o)
                 case = (D, causal, N)
@@ -220,57 +275,10 @@ def tune_attention():
           f"{sum(len({min(t, key=t.get) for t in per_size.values()}) for per_size in times.values())})")
 
     forward_paths, backward_paths = {}, {}
-    for D in heads:
+    for D in HEADS:
         for causal in (False, True):
-            scale = D ** -0.5
             for N in sizes:
-                q, k, v = inputs(D, N)
-                case = (D, causal, N)
-                tflops = lambda ms, work=4 * 4 * heads[D] * N * N * D * (0.5 if causal else 1.0): work / ms * 1e-9  # noqa: E731
-                gluon_runs = FWD.warp_specialized_unsupported(q, k, v) is None
-                forwards = {"portable": lambda: V2.attention(q, k, v, causal, scale)}
-                backwards = {"two-pass": lambda q, k, v: V2.attention(q, k, v, causal, scale, False),
-                             "atomic": lambda q, k, v: V2.attention(q, k, v, causal, scale, True)}
-                if gluon_runs:
-                    forwards["gluon"] = lambda: FWD.attention(q, k, v, causal, scale, warp_specialized=True)
-                    backwards["gluon"] = lambda q, k, v: HOPPER.attention(q, k, v, causal, scale,
-                                                                          warp_specialized=True)
-                # In alternating rounds, timed again where two timings disagree, as the lessons' benchmarks
-                # time them: one timing each let noise pick the path at the shortest lengths.
-                timers = {(path, "fwd"): functools.partial(V1.bench_ms, fn) for path, fn in forwards.items()}
-                timers.update({(path, "bwd"): functools.partial(V1.backward_ms, fn, q, k, v)
-                               for path, fn in backwards.items()})
-                measured = V1.measure_in_rounds(timers, f"D={D}, N={N}, causal={causal}")
-                # The benchmark clears L2 before each timed call, which hides up to that write's GPU time of
-                # host time; a user's back-to-back calls hide none. So a path costs the slower of its GPU time
-                # and the host's time to enqueue one call: where the host paces the GPU (the shortest
-                # lengths), the path that asks less of the host wins, on any build machine's processor.
-                # A call's host time is a fraction of a millisecond: longer calls skip the measurement, which
-                # would wait for hundreds of them.
-                host = {}
-                for (path, mode), ms in measured.items():
-                    if min(ms) > 1.0:
-                        host[path, mode] = 0.0
-                    elif mode == "fwd":
-                        host[path, mode] = FWD.host_ms(forwards[path])
-                    else:
-                        host[path, mode] = FWD.host_ms(V1.backward_call(backwards[path], q, k, v))
-                cost = {key: max(min(ms), host[key]) for key, ms in measured.items()}
-                forward = {path: ms for (path, mode), ms in cost.items() if mode == "fwd"}
-                backward_times = {path: ms for (path, mode), ms in cost.items() if mode == "bwd"}
-                forward_paths[case] = steadiest_of_the_fastest(forward, {p: host[p, "fwd"] for p in forward})
-                backward_paths[case] = steadiest_of_the_fastest(backward_times,
-                                                                {p: host[p, "bwd"] for p in backward_times})
-                sdpa = V1.sdpa_providers(causal, scale, ["SDPA cuDNN"])["SDPA cuDNN"]
-                peer_fwd, peer_bwd = V1.bench_ms(lambda: sdpa(q, k, v)), V1.backward_ms(sdpa, q, k, v)
-                print(f"D={D} causal={causal!s:5} N={N:5d} fwd " +
-                      " ".join(f"{p} {tflops(ms):.0f}" for p, ms in forward.items()) +
-                      f" cuDNN {tflops(peer_fwd):.0f} TFLOP/s | bwd " +
-                      " ".join(f"{p} {2.5 * tflops(ms):.0f}" for p, ms in backward_times.items()) +
-                      f" cuDNN {2.5 * tflops(peer_bwd):.0f} | host us " +
-                      " ".join(f"{p}-{m} {1e3 * ms:.0f}" for (p, m), ms in host.items()) + " | " +
-                      " ".join(f"{name} {V2.TUNED_CONFIGS[(name, *case)]}" for name in V2.INTERPRETER_CONFIGS),
-                      flush=True)
+                forward_paths[D, causal, N], backward_paths[D, causal, N] = fastest_paths(D, causal, N)
     write_block(TUTORIALS / "05-fused-attention-v2.py", "attention",
                 literal("TUNED_ON", V2.TUNED_ON) + literal_by_bucket("TUNED_CONFIGS", V2.TUNED_CONFIGS, "by_bucket"))
     write_block(TUTORIALS / "06-hopper-forward-gluon.py", "forward paths",
@@ -279,5 +287,33 @@ def tune_attention():
                 literal_by_bucket("BACKWARD_PATHS", backward_paths, "V2.by_bucket"))
 
 
+def tune_attention_paths(lengths):
+    """fastest_paths again at the given sequence lengths only, with the tiles as the lessons hold them, and
+    those entries of lessons 06 and 07's path tables rewritten. For a change to the host's work per call,
+    which moves the choice between paths at the shortest lengths and no tile's GPU time; a change to a
+    kernel needs the whole sweep."""
+    V2 = load("05-fused-attention-v2")
+    FWD, HOPPER = load("06-hopper-forward-gluon"), load("07-hopper-backward-gluon")
+    buckets = V2.TUNED_ON["buckets"]
+    if not lengths or any(N not in buckets for N in lengths):
+        sys.exit(f"attention-paths takes sequence lengths among the tables' buckets {buckets}, got {lengths}")
+    forward_paths, backward_paths = dict(FWD.FORWARD_PATHS), dict(HOPPER.BACKWARD_PATHS)
+    for D in HEADS:
+        for causal in (False, True):
+            for N in lengths:
+                forward_paths[D, causal, N], backward_paths[D, causal, N] = fastest_paths(D, causal, N)
+    # The tiles' provenance is lesson 05's TUNED_ON; these entries say their own.
+    note = (f"# N = {', '.join(map(str, lengths))} measured by tools/tune.py attention-paths on "
+            f"{datetime.date.today().isoformat()}: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+            f"Triton {triton.__version__}.")
+    write_block(TUTORIALS / "06-hopper-forward-gluon.py", "forward paths",
+                [note] + literal_by_bucket("FORWARD_PATHS", forward_paths, "V2.by_bucket"))
+    write_block(TUTORIALS / "07-hopper-backward-gluon.py", "backward paths",
+                [note] + literal_by_bucket("BACKWARD_PATHS", backward_paths, "V2.by_bucket"))
+
+
 if __name__ == "__main__":
-    {"softmax": tune_softmax, "split-row": tune_split_row, "attention": tune_attention}[sys.argv[1]]()
+    if sys.argv[1:2] == ["attention-paths"]:
+        tune_attention_paths([int(n) for n in sys.argv[2:]])
+    else:
+        {"softmax": tune_softmax, "split-row": tune_split_row, "attention": tune_attention}[sys.argv[1]]()
