@@ -303,9 +303,9 @@ def tune_attention_paths(lengths):
             for N in lengths:
                 forward_paths[D, causal, N], backward_paths[D, causal, N] = fastest_paths(D, causal, N)
     # The tiles' provenance is lesson 05's TUNED_ON; these entries say their own.
-    note = (f"# N = {', '.join(map(str, lengths))} measured by tools/tune.py attention-paths on "
-            f"{datetime.date.today().isoformat()}: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-            f"Triton {triton.__version__}.")
+    note = (f"# N = {', '.join(map(str, lengths))}: tools/tune.py attention-paths, "
+            f"{datetime.date.today().isoformat()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+            f"Triton {triton.__version__}")
     write_block(TUTORIALS / "06-hopper-forward-gluon.py", "forward paths",
                 [note] + literal_by_bucket("FORWARD_PATHS", forward_paths, "V2.by_bucket"))
     write_block(TUTORIALS / "07-hopper-backward-gluon.py", "backward paths",
