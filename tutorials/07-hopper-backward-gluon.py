@@ -743,8 +743,14 @@ elif __name__ == "__main__":
 # schedule. The last lines set it beside cuDNN, whose call also runs small kernels around its main
 # one (ours: :math:`\Delta`, zeroing and converting :math:`dQ`; both: autograd's additions into
 # ``.grad``). Where those take about as long as cuDNN's and our main kernel multiplies more slowly
-# than cuDNN's, the gap to cuDNN lies inside the main kernel, in its schedule and its registers
-# (the spills above), not in the launches around it.
+# than cuDNN's, the gap to cuDNN lies inside the main kernel, not in the launches around it.
+# Not in its remaining spills, though. Two measurements from an H100 outside this build (the
+# engineering notes, 2026-11-25), at :math:`D = 128`: a variant that makes :math:`dQ` in
+# 32-column pieces, one after the other, cut the local memory that spills take from 168 to 16
+# bytes per thread (104 to 8 with the mask) and ran 0.97x to 1.02x as fast as this kernel; and
+# Nsight Compute, at :math:`N = 4096`, found the tensor cores busy in 60% of this kernel's cycles
+# against 66% of cuDNN's main kernel's (53% against 62% with the mask). So the gap is in the
+# schedule, in time the products spend waiting, which those counters do not divide further.
 # The engineering notes list the variants of the schedule that measured slower: a third pipeline
 # stage, double-buffered :math:`dQ` staging tiles, and each group summing :math:`dQ` over its own keys.
 #
