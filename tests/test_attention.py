@@ -505,6 +505,15 @@ def _round_robin_schedule(n_m, heads, programs):
     return plan
 
 
+def test_host_cells_say_what_paced_the_benchmark():
+    """The verdict lessons 06 and 07 print under their host measurements: the host paced a call only where the
+    host time measured there is as long as the benchmark's time per call; otherwise the page says it cannot tell."""
+    assert "did not pace" in HOPPER_FWD.who_paced(1.0, 0.96, 0.3, 0.28)
+    assert "the host paced our calls" in HOPPER_FWD.who_paced(1.0, 0.6, 0.30, 0.31)
+    unexplained = HOPPER_FWD.who_paced(0.98, 0.41, 0.258, 0.699)  # lesson 07's case in the build of 2026-11-25
+    assert "cannot tell" in unexplained and "258 us" in unexplained and "699 us" in unexplained
+
+
 def test_exercise_schedule_accepts_balanced_answers():
     HOPPER_FWD.check_schedule(_pairs_schedule)
 

@@ -382,7 +382,7 @@ TUNED_CONFIGS = by_bucket({
 def host_cdiv(a, b):
     """ceil(a / b) for the launchers. triton.cdiv gives the same, but is built to run inside kernels too, and
     from the host every call first unwraps its arguments: microseconds, which count where the host paces the
-    GPU (lesson 06's last section)."""
+    GPU (lesson 06, "Host time and GPU time at the smallest size")."""
     return -(-a // b)
 
 
@@ -466,13 +466,13 @@ def tuned_case(q, causal):
 #   the :math:`dK, dV` pass also does: seven products instead of five, 40% more tensor-core work,
 #   but no atomics, nothing extra in memory, and the same bits on every run.
 #
-# Both passes need :math:`\Delta`, and the :math:`dQ` pass decides where it comes from. A
-# :math:`dQ` program holds its rows of :math:`dO` anyway; it loads the same rows of :math:`O`,
-# computes their :math:`\Delta`, uses it, and stores it. So this pass runs *first*, and the
-# :math:`dK, dV` pass, which walks every query block and needs every row's :math:`\Delta`, reads
-# what it stored. The preprocess kernel is gone: one launch fewer per backward (launching it took
-# 21 us of host time in an H100 probe recorded in the engineering notes). The atomic backward has no
-# :math:`dQ` pass to fold it into, so it keeps the preprocess.
+# Both passes need :math:`\Delta`, and the :math:`dQ` pass decides where it comes from. A :math:`dQ`
+# program holds its rows of :math:`dO` anyway; it loads the same rows of :math:`O`, computes their
+# :math:`\Delta`, uses it, and stores it. So this pass runs *first*, and the :math:`dK, dV` pass,
+# which walks every query block and needs every row's :math:`\Delta`, reads what it stored. The
+# preprocess kernel is gone: one launch fewer per backward (launching it took 30 us of host time at
+# :math:`N = 1024` in an H100 probe, the engineering notes' row for ``c85df52``). The atomic
+# backward has no :math:`dQ` pass to fold it into, so it keeps the preprocess.
 #
 # In both, masking is needed only on the diagonal and on ragged edges: a query row past :math:`N`
 # is loaded as zeros, so its :math:`dO` and :math:`\Delta` are zero and it contributes nothing; a
@@ -697,16 +697,16 @@ def attn_bwd_dq_kernel(
 # (``forward``, ``backward_delta``, ``backward``): the two Hopper lessons that follow reuse them.
 # ``backward_delta`` is the preprocess, for the backwards that need :math:`\Delta` before they start.
 #
-# At short lengths the host's work per call matters as much as the GPU's (lesson 06's last section
-# measures both). One large piece is Triton's JIT dispatch: on every call it inspects each of some
-# thirty arguments, to find what the compiled kernel was specialized on (dtypes, integers equal to 1
-# or divisible by 16, pointers aligned to 16 bytes), and looks the kernel up by that. Every one of
-# those answers, and every argument besides the tensors and the scale, follows from the inputs'
-# shapes, strides, dtypes and alignment. So the first call with a given layout goes through the JIT
-# and keeps a *launch plan*: the compiled kernel, its grid and those arguments. Later calls with the
-# same layout pass only their tensors and scale to the compiled kernel's own launcher. (Only
-# launches with a known configuration keep plans: a case that the table does not cover, fp8 among
-# them, goes through the autotuner and the JIT on every call.)
+# At short lengths the host's work per call matters as much as the GPU's (lesson 06's section "Host
+# time and GPU time at the smallest size" measures both). One large piece is Triton's JIT dispatch:
+# on every call it inspects each of some thirty arguments, to find what the compiled kernel was
+# specialized on (dtypes, integers equal to 1 or divisible by 16, pointers aligned to 16 bytes), and
+# looks the kernel up by that. Every one of those answers, and every argument besides the tensors
+# and the scale, follows from the inputs' shapes, strides, dtypes and alignment. So the first call
+# with a given layout goes through the JIT and keeps a *launch plan*: the compiled kernel, its grid
+# and those arguments. Later calls with the same layout pass only their tensors and scale to the
+# compiled kernel's own launcher. (Only launches with a known configuration keep plans: a case that
+# the table does not cover, fp8 among them, goes through the autotuner and the JIT on every call.)
 
 if ON_GPU:
     _fwd = triton.autotune(_configs(FWD_SHAPES), key=["D", "CAUSAL", "N_BUCKET"],

@@ -175,8 +175,9 @@ if __name__ == "__main__":
 # * **Wide stores, where they pay.** ``wgmma`` leaves each thread pairs of adjacent values of
 #   :math:`dK` and :math:`dV`, so stores straight from its layout are 4 bytes wide. Without the
 #   causal mask the consumers first rearrange them into lesson 06's store layout, 8 adjacent values
-#   per thread: 16-byte, coalesced stores, the same bits, and 1% to 13% less GPU time than storing
-#   straight (most at :math:`N = 1024`, where the stores weigh most). With the mask, the same change
+#   per thread: 16-byte, coalesced stores, the same bits, and 0.99x to 1.13x the speed of storing
+#   straight in an H100 probe (engineering notes, ``df96ead``; most at :math:`N = 1024`, where the
+#   stores weigh most). With the mask, the same change
 #   measured 8% to 12% slower at :math:`D = 128`, so there they are stored straight.
 #
 # Where the TMA box crosses the end of the sequence, the loads fill zeros and the reductions skip
@@ -651,7 +652,8 @@ if __name__ == "__main__" and ON_GPU:
                 f"{1e3 * timed[name]:.0f} us" for name in fns) +
                 f"; a Python backward that launches nothing, host {1e3 * floor:.0f} us. The one with less GPU time "
                 f"({ours}): {by_gpu:.2f}x cuDNN by GPU time, {by_benchmark:.2f}x in the benchmark, with "
-                f"{host[ours] / host['SDPA cuDNN']:.1f}x cuDNN's host time.")
+                f"{host[ours] / host['SDPA cuDNN']:.1f}x cuDNN's host time; "
+                + FWD.who_paced(by_gpu, by_benchmark, host[ours], timed[ours]))
             del q, k, v
 elif __name__ == "__main__":
     print("Launch overhead is a GPU question: under the interpreter every call runs on the host anyway.")
@@ -744,7 +746,7 @@ elif __name__ == "__main__":
 # one (ours: :math:`\Delta`, zeroing and converting :math:`dQ`; both: autograd's additions into
 # ``.grad``). Where those take about as long as cuDNN's and our main kernel multiplies more slowly
 # than cuDNN's, the gap to cuDNN lies inside the main kernel, not in the launches around it.
-# Not in its remaining spills, though. Two measurements from an H100 outside this build (the
+# Within the main kernel, the gap is not in its remaining spills. Two measurements from an H100 outside this build (the
 # engineering notes, 2026-11-25), at :math:`D = 128`: a variant that makes :math:`dQ` in
 # 32-column pieces, one after the other, cut the local memory that spills take from 168 to 16
 # bytes per thread (104 to 8 with the mask) and ran 0.97x to 1.02x as fast as this kernel; and
