@@ -514,6 +514,16 @@ def test_host_cells_say_what_paced_the_benchmark():
     assert "cannot tell" in unexplained and "258 us" in unexplained and "699 us" in unexplained
 
 
+def test_host_times_are_taken_in_turns_and_keep_the_fastest(monkeypatch):
+    """The host cells of lessons 06 and 07 (GPU only) time every call once per round, in turn, and keep each
+    call's fastest."""
+    seen, times = [], iter([5.0, 3.0, 9.0, 4.0, 1.0, 2.0])
+    monkeypatch.setattr(HOPPER_FWD, "host_ms", lambda fn: (seen.append(fn()), next(times))[1])
+    calls = {"a": lambda: "a", ("a", "unplanned"): lambda: "a'", "b": lambda: "b"}
+    assert HOPPER_FWD.interleaved_host_ms(calls) == {"a": 4.0, ("a", "unplanned"): 1.0, "b": 2.0}
+    assert seen == ["a", "a'", "b"] * 2
+
+
 def test_exercise_schedule_accepts_balanced_answers():
     HOPPER_FWD.check_schedule(_pairs_schedule)
 

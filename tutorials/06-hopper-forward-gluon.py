@@ -941,6 +941,16 @@ def host_ms(fn, calls=50, loops=5):
     return fastest
 
 
+def interleaved_host_ms(calls, rounds=2):
+    """{name: host_ms of calls[name]}, each the fastest of `rounds` rounds that take every call in turn: the
+    host's speed drifts, and taking turns gives every call the same share of the drift."""
+    host = {}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            host[name] = min(host.get(name, float("inf")), host_ms(fn))
+    return host
+
+
 if __name__ == "__main__" and ON_GPU:
     N = sizes[0]
     flush = sum(kernel_ms(triton.runtime.driver.active.get_empty_cache_for_benchmark().zero_).values())
@@ -955,13 +965,8 @@ if __name__ == "__main__" and ON_GPU:
                      "portable": functools.partial(attention, q, k, v, causal, D ** -0.5, warp_specialized=False)}
             if warp_specialized_unsupported(q, k, v) is None:
                 calls["Gluon"] = functools.partial(attention, q, k, v, causal, D ** -0.5, warp_specialized=True)
-            host, unplanned = {}, {}
-            for _ in range(2):  # interleaved, each keeping its fastest: the host's speed drifts
-                for name, fn in calls.items():
-                    host[name] = min(host.get(name, float("inf")), host_ms(fn))
-                    if name != "SDPA cuDNN":
-                        unplanned[name] = min(unplanned.get(name, float("inf")),
-                                              host_ms(lambda fn=fn: (V2.PLANS.clear(), fn())))
+            host = interleaved_host_ms({**calls, **{(name, "unplanned"): lambda fn=fn: (V2.PLANS.clear(), fn())
+                                                     for name, fn in calls.items() if name != "SDPA cuDNN"}})
             gpu = {name: sum(kernel_ms(fn).values()) for name, fn in calls.items()}
             ours = min((name for name in calls if name != "SDPA cuDNN"), key=gpu.get)  # less GPU time
             timed = {name: benchmark_ms(results, provider, B, H, N, D, causal, "fwd")
@@ -970,7 +975,8 @@ if __name__ == "__main__" and ON_GPU:
             by_gpu, by_benchmark = gpu["SDPA cuDNN"] / gpu[ours], timed["SDPA cuDNN"] / timed[ours]
             print(f"D={D:3d} {'causal    ' if causal else 'non-causal'} N={N}: " + "; ".join(
                 f"{name} host {1e3 * host[name]:.0f} us" +
-                (f" ({1e3 * unplanned[name]:.0f} with the plans cleared before each call)" if name in unplanned
+                (f" ({1e3 * host[name, 'unplanned']:.0f} with the plans cleared before each call)"
+                 if (name, "unplanned") in host
                  else "") + f", GPU {1e3 * gpu[name]:.0f} us, benchmark {1e3 * timed[name]:.0f} us" for name in calls) +
                 f". The one with less GPU time ({ours}): {by_gpu:.2f}x cuDNN by GPU time, {by_benchmark:.2f}x in the "
                 f"benchmark; " + who_paced(by_gpu, by_benchmark, host[ours], timed[ours]))

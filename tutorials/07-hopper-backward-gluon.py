@@ -636,10 +636,7 @@ if __name__ == "__main__" and ON_GPU:
             if FWD.warp_specialized_unsupported(q, k, v) is None:
                 fns["Gluon"] = lambda q, k, v: attention(q, k, v, causal, scale, warp_specialized=True)
             calls = {name: V2.V1.backward_call(fn, q, k, v) for name, fn in fns.items()}
-            host = {}
-            for _ in range(2):  # interleaved, each keeping its fastest, as in lesson 06: the host's speed drifts
-                for name, call in calls.items():
-                    host[name] = min(host.get(name, float("inf")), FWD.host_ms(call))
+            host = FWD.interleaved_host_ms(calls)
             gpu = {name: sum(FWD.kernel_ms(call).values()) for name, call in calls.items()}
             ours = min((name for name in fns if name != "SDPA cuDNN"), key=gpu.get)
             floor = FWD.host_ms(V2.V1.backward_call(_GradientsReady.apply, q, k, v))
