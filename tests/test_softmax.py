@@ -1,4 +1,4 @@
-"""Both softmax lessons against a float64 reference: irregular shapes, strides, dtypes, extreme values,
+"""The softmax lessons (01, 02 and 08) against a float64 reference: irregular shapes, strides, dtypes, extreme values,
 gradients, views with a negative bit and bad input; and the exercises' checks, each shown to accept a
 correct solution and to reject a known-wrong one."""
 
@@ -10,6 +10,7 @@ from lessons import load
 # Triton's own library functions are defined for one mode or the other at import.
 LESSON_01 = load("01-fused-softmax")
 LESSON_02 = load("02-long-softmax")
+LESSON_08 = load("08-long-softmax-gluon")
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -24,7 +25,11 @@ KERNELS = {
     "row-on-chip": LESSON_02.row_on_chip_softmax,
     "split-row": LESSON_02.split_row_softmax,
     "long": LESSON_02.long_softmax,
+    "long-gluon": LESSON_08.long_softmax,
 }
+ON_HOPPER = LESSON_08.shared_unsupported(torch.empty(1, device=LESSON_01.DEVICE)) is None
+if ON_HOPPER:  # 1,024-element chunks: the rows of SHAPES are split, and their programs wait for each other
+    KERNELS["shared-split-row"] = lambda x: LESSON_08.shared_split_row_softmax(x, chunk=1024)
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 SHAPES = [(1, 1), (1, 781), (7, 1), (3, 2), (37, 100), (5, 257), (2, 4099)]
 
@@ -181,6 +186,49 @@ def test_split_row_shares_rows_between_programs_on_gpu(N, chunk, dtype):
     x = (torch.randn(37, N, device="cuda") * 10).to(dtype)
     check(lambda t: LESSON_02.split_row_softmax(t, chunk=chunk), x)
     check_gradient(lambda t: LESSON_02.split_row_softmax(t, chunk=chunk), x)
+
+
+def test_shared_split_row_refuses_to_run_where_gluon_cannot():
+    if ON_HOPPER:
+        pytest.skip("the shared-memory kernel runs on this GPU")
+    with pytest.raises(ValueError, match="Hopper"):
+        LESSON_08.shared_split_row_softmax(torch.randn(2, 100, device=LESSON_01.DEVICE))
+
+
+@pytest.mark.parametrize("chunk, error, message", [(512, ValueError, "1024"), (3000, ValueError, "power of two"),
+                                                   (65536, ValueError, "32768"), ("8192", TypeError, "int")])
+def test_shared_split_row_refuses_unusable_chunks_by_name(chunk, error, message):
+    with pytest.raises(error, match=message):
+        LESSON_08.shared_split_row_softmax(torch.randn(2, 100, device=LESSON_01.DEVICE), chunk=chunk)
+
+
+class _Compiled:
+    def __init__(self, n_regs, shared):
+        self.n_regs, self.metadata = n_regs, type("Metadata", (), {"shared": shared})
+
+
+@pytest.mark.parametrize("n_regs, shared, expected", [
+    (48, 16400, 10),   # registers bind: 48 x 128 threads, 10 programs of 65,536 registers
+    (45, 16400, 10),   # 45 registers are handed out as 48
+    (40, 8208, 12),    # registers again: 12 x 40 x 128 = 61,440
+    (72, 32784, 6),    # shared memory binds: 6 x (32,784 + 1,024) bytes of 233,472
+    (32, 16384, 13),   # 14 programs of 16 KiB fit only without the reserved kilobyte
+    (16, 0, 16),       # threads bind: 16 x 128 of 2,048
+])
+def test_programs_per_sm_takes_the_tightest_limit(n_regs, shared, expected):
+    h100 = type("Props", (), dict(regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048,
+                                  shared_memory_per_multiprocessor=233472))
+    assert LESSON_08.programs_per_sm(_Compiled(n_regs, shared), h100, 4) == expected
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the shared-memory kernel needs a Hopper GPU")
+@pytest.mark.parametrize("N, chunk", [(5001, 1024), (65552, None), (70001, 2048), (40000, None), (1024, 1024)])
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
+def test_shared_split_row_shares_rows_between_programs_on_hopper(N, chunk, dtype):
+    x = (torch.randn(37, N, device="cuda") * 10).to(dtype)
+    check(lambda t: LESSON_08.shared_split_row_softmax(t, chunk=chunk), x)
+    check_gradient(lambda t: LESSON_08.shared_split_row_softmax(t, chunk=chunk), x)
+    check(LESSON_08.long_softmax, x)
 
 
 BAD_INPUTS = [
@@ -539,3 +587,16 @@ def test_benchmark_rounds_alternate_and_retime_a_disturbed_provider(monkeypatch,
     # Two rounds, first to last and back; then passes over the disturbed providers, up to four timings each.
     assert calls[:8] == ["steady", "disturbed", "always", "slow first", "slow first", "always", "disturbed", "steady"]
     assert calls[8:] == ["disturbed", "always", "slow first", "always"]
+
+
+def test_check_split_row_accepts_a_correct_solution(capsys):
+    LESSON_08.check_split_row(LESSON_02.long_softmax)
+    assert "passed on 15 fresh inputs" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong", [lambda x: torch.softmax(x, dim=0),
+                                   lambda x: torch.softmax(x, dim=1) * torch.where(x == x.amax(), float("nan"), 1.0)],
+                         ids=["softmax over columns", "NaN at the maximum"])
+def test_check_split_row_rejects_a_wrong_solution(wrong):
+    with pytest.raises(AssertionError, match="your split-row softmax on"):
+        LESSON_08.check_split_row(wrong)

@@ -1,0 +1,534 @@
+"""
+Hopper III: long softmax rows in shared memory, in Gluon
+========================================================
+
+Lesson 02's split-row softmax reads each element of a long row once, yet in bf16 it stays further
+from the copy bandwidth than in fp32, and its last cells say why: each program holds its chunk of
+the row in registers, as fp32 values, until the row's statistics arrive, so fewer programs fit on an
+SM and less of the row is in flight. This lesson keeps the chunk in shared memory instead, as the
+16-bit values that were read, something Triton does not let a program ask for and Gluon does.
+
+You will learn:
+
+* where a program can keep data while it waits, and what each place holds: registers against
+  shared memory, counted in bytes per SM;
+* how to copy global memory into shared memory without passing through registers (``cp.async``)
+  in Gluon, and when the compiler refuses to;
+* a pitfall: read the same shared memory twice and the compiler may keep the first read's values
+  in registers; a barrier between the passes stops it;
+* how many programs fit on an SM at once (registers, threads, shared memory, and the 1 KiB that
+  the hardware reserves per program), and why a kernel whose programs wait for each other must
+  count exactly;
+* how the speed follows the bytes of the row in flight per SM, measured over chunk sizes.
+
+This lesson needs ``02-long-softmax.py`` and ``01-fused-softmax.py`` next to it (the site's zip of
+all lessons has them): it reuses their checks, backward pass and benchmark harness, and where Gluon
+cannot run (a CPU, or a GPU other than Hopper) its ``long_softmax`` runs lesson 02's. On such a
+machine this page shows the design and says why the kernel did not run.
+"""
+
+# %%
+# Where the kernels run
+# ---------------------
+# A CUDA GPU when there is one, otherwise the Triton interpreter on the CPU, switched on before the
+# first ``@triton.jit``. The interpreter cannot run Gluon kernels; they only run compiled, and this
+# one was written and measured on Hopper (H100).
+
+import functools
+import os
+
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import triton  # noqa: E402
+
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+
+
+def load_sibling(stem):
+    """Another lesson of this site, imported once from the file next to this one: its script, or else its
+    notebook (the site's two zips of all lessons hold one or the other side by side); ImportError, saying
+    what to download, when neither is there."""
+    import json
+    import linecache
+    import sys
+    import types
+    from pathlib import Path
+
+    name = "lesson_" + stem.replace("-", "_")
+    if name in sys.modules:
+        return sys.modules[name]
+    here = Path(__file__).parent if "__file__" in globals() else Path.cwd()
+    path = here / f"{stem}.py"
+    if path.exists():
+        source = path.read_text(encoding="utf-8")
+    elif path.with_suffix(".ipynb").exists():
+        path = path.with_suffix(".ipynb")
+        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+        source = "\n".join("".join(cell["source"]) for cell in cells if cell["cell_type"] == "code")
+        # Triton reads a kernel's source back through linecache: give it the code, not the notebook's JSON.
+        linecache.cache[str(path)] = (len(source), None, source.splitlines(keepends=True), str(path))
+    else:
+        raise ImportError(f"this lesson needs {stem}.py or {stem}.ipynb in the same folder: download all lessons "
+                          "as a zip from the site")
+    module = types.ModuleType(name)  # not __main__: the lesson defines its kernels and runs nothing heavy
+    module.__file__ = str(path)
+    sys.modules[name] = module
+    try:
+        exec(compile(source, str(path), "exec"), module.__dict__)
+    except BaseException:
+        del sys.modules[name]  # a half-run lesson must not be found by the next import
+        raise
+    return module
+
+
+LONG = load_sibling("02-long-softmax")  # which loads 01-fused-softmax in turn
+FUSED = LONG.FUSED
+
+# %%
+# Where a waiting program keeps its chunk
+# ---------------------------------------
+# A split-row program reads its chunk, computes the chunk's maximum and sum, publishes them and
+# waits for the other chunks of the row (lesson 02 explains the waiting and its memory ordering).
+# Only then can it normalize, so the chunk must stay on the SM through the wait. An H100 SM has two
+# places for it:
+#
+# * **Registers**: 64K 32-bit registers, 256 KiB. Lesson 02's kernel converts each element to fp32
+#   as it loads it, and the compiler keeps those fp32 values until the normalization, so a bf16
+#   chunk takes twice its bytes. Lesson 02's last cells print what that leaves: fewer programs per
+#   SM in bf16 than in fp32, and so fewer bytes of the row in flight.
+# * **Shared memory**: 228 KiB, which holds the 16-bit values as they were read. Triton decides on
+#   its own what goes there; Gluon lets a program allocate it and copy into it.
+#
+# The kernel below copies its chunk straight from global memory into shared memory with
+# ``cp.async`` (Ampere's asynchronous copy, which bypasses the registers), then reads it back a piece
+# at a time, three times: for the maximum, for the sum, and, after the wait, to normalize and write
+# the output. Only one piece of fp32 values is ever live in registers, so a program needs few of them
+# and shared memory sets how many programs fit. The picture shows one program's path; it is a
+# diagram, not a measurement.
+
+
+def draw_data_path():
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyArrowPatch, Rectangle
+
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    boxes = {"global": (0.0, 0.5, 2.2, 2.0, "#d9d9d9", "global memory\nrow r: chunks\n0, 1, ..., S-1"),
+             "shared": (3.2, 1.6, 2.2, 1.0, "#9ecae1", "shared memory\nthis program's chunk,\n16-bit as read"),
+             "regs": (3.2, 0.0, 2.2, 1.0, "#fdd0a2", "registers\none piece at a time,\nin fp32"),
+             "stats": (6.8, 1.6, 1.9, 1.0, "#c7e9c0", "stats buffer and\nthe row's arrival\ncounter (global)"),
+             "out": (6.8, 0.0, 1.9, 1.0, "#d9d9d9", "output row r\n(global memory)")}
+    for x, y, w, h, color, label in boxes.values():
+        ax.add_patch(Rectangle((x, y), w, h, facecolor=color, edgecolor="black"))
+        ax.text(x + w / 2, y + h / 2, label, ha="center", va="center", fontsize=10)
+    arrows = [((2.2, 2.1), (3.2, 2.1), "1. cp.async", (2.7, 2.25)),
+              ((4.3, 1.6), (4.3, 1.0), "2, 3, 4: each pass\nreads it back", (4.4, 1.3)),
+              ((5.4, 0.8), (6.8, 1.8), "publish,\nwait", (5.85, 1.45)),
+              ((5.4, 0.3), (6.8, 0.3), "4. normalize,\nwrite", (6.1, 0.45))]
+    for start, end, label, (tx, ty) in arrows:
+        ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=14, color="black"))
+        ax.text(tx, ty, label, fontsize=10, ha="left" if start[0] == end[0] else "center",
+                va="center" if start[0] == end[0] else "bottom")
+    ax.set(xlim=(-0.1, 8.8), ylim=(-0.2, 2.8), aspect="equal")
+    ax.axis("off")
+    ax.set_title("One split-row program: the chunk waits in shared memory, not in registers")
+    fig.tight_layout()
+    plt.show()
+
+
+if __name__ == "__main__":
+    draw_data_path()
+
+# %%
+# The kernel
+# ----------
+# The row's programs and their waiting are lesson 02's ``split_row_kernel``; what changes is where the
+# chunk lives.
+#
+# * ``gl.allocate_shared_memory`` gives the program a buffer of ``CHUNK`` elements in the input's
+#   dtype. A plain layout (``SwizzledSharedLayout(1, 1, 1, [0])``) is enough: each thread reads
+#   back, in the same register layout, the elements it copied, so no two threads collide on a bank
+#   more than a plain copy does.
+# * The copy is ``async_load`` from ``gluon.language.nvidia.ampere.async_copy`` (Triton 3.6 names it
+#   ``async_copy_global_to_shared``; later releases call it ``async_load`` and make the old name
+#   raise). Each thread issues 16-byte copies, ``commit_group`` closes the batch and
+#   ``wait_group(0)`` waits for this thread's copies to land.
+# * ``cp.async`` moves 4, 8 or 16 bytes, and the compiler must prove that each one is aligned. Triton
+#   knows an integer argument is a multiple of 16 only when it was one at the first call (it compiles
+#   a variant per case), so for a row length or row stride that is not, it can prove nothing wider
+#   than one 2-byte element, and refuses to compile the copy. The launcher then picks ``ASYNC=False``,
+#   which copies through registers (``gl.load``, then a store to shared memory).
+# * **The barrier between the passes.** The maximum pass and the sum pass read the same shared
+#   memory. Nothing is written in between, so the compiler may load each piece once and keep every
+#   value for the second pass, which brings back exactly the registers this lesson set out to save:
+#   compiled offline for sm_90a with Triton 3.9 (not this page's numbers), 16,384 bf16 elements per
+#   4 warps took 255 registers per thread without the barrier, 80 with it. A barrier is an operation
+#   on shared memory, so no load moves across it.
+
+
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa: E402
+
+_copy_to_shared = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier  # named so since Triton 3.7
+
+
+@gluon.jit
+def shared_split_row_kernel(x_ptr, y_ptr, stats_ptr, arrived_ptr, M, N, x_row_stride, x_col_stride, y_row_stride,
+                            CHUNK: gl.constexpr, PIECE: gl.constexpr, SPLITS: gl.constexpr,
+                            SPLITS_POW2: gl.constexpr, VEC: gl.constexpr, WARPS: gl.constexpr,
+                            ASYNC: gl.constexpr):
+    PIECES: gl.constexpr = CHUNK // PIECE
+    layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [WARPS], [0])  # VEC adjacent elements: 16 bytes
+    stats_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    chunk_smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [CHUNK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    pid = gl.program_id(0)
+    groups = gl.num_programs(0) // SPLITS
+    split = pid % SPLITS
+    offs = gl.arange(0, PIECE, layout)
+    chunks = gl.arange(0, SPLITS_POW2, stats_layout)
+    for row in range(pid // SPLITS, M, groups):
+        row64 = row.to(gl.int64)
+        for p in gl.static_range(PIECES):
+            cols = split * CHUNK + p * PIECE + offs
+            src = x_ptr + row64 * x_row_stride + cols * x_col_stride
+            if ASYNC:
+                _copy_to_shared(chunk_smem.slice(p * PIECE, PIECE), src, mask=cols < N)
+            else:
+                chunk_smem.slice(p * PIECE, PIECE).store(gl.load(src, mask=cols < N))
+        if ASYNC:
+            async_copy.commit_group()
+            async_copy.wait_group(0)
+        m = gl.full([PIECE], -float("inf"), gl.float32, layout)
+        for p in gl.static_range(PIECES):
+            x = chunk_smem.slice(p * PIECE, PIECE).load(layout).to(gl.float32)
+            m = gl.maximum(m, gl.where(split * CHUNK + p * PIECE + offs < N, x, -float("inf")))
+        chunk_max = gl.max(m, axis=0)
+        _barrier()  # the sum pass reads shared memory again instead of values kept in registers
+        safe_max = gl.where(chunk_max == -float("inf"), 0.0, chunk_max)
+        d = gl.zeros([PIECE], gl.float32, layout)
+        for p in gl.static_range(PIECES):
+            x = chunk_smem.slice(p * PIECE, PIECE).load(layout).to(gl.float32)
+            x = gl.where(split * CHUNK + p * PIECE + offs < N, x, -float("inf"))
+            d += gl.exp2((x - safe_max) * 1.4426950408889634)
+        chunk_sum = gl.sum(d, axis=0)
+        stats = stats_ptr + (row64 * SPLITS + split) * 2
+        gl.store(stats, chunk_max)
+        gl.store(stats + 1, chunk_sum)
+        _barrier()  # every thread's stores are done before one thread signals
+        gl.atomic_add(arrived_ptr + row, 1, sem="release")
+        while gl.atomic_add(arrived_ptr + row, 0, sem="acquire") < SPLITS:
+            pass
+        all_stats = stats_ptr + (row64 * SPLITS + chunks) * 2
+        maxes = gl.load(all_stats, mask=chunks < SPLITS, other=-float("inf"), volatile=True)
+        sums = gl.load(all_stats + 1, mask=chunks < SPLITS, other=0.0, volatile=True)
+        row_max = gl.max(maxes, axis=0)
+        inv_sum = 1.0 / gl.sum(sums * gl.exp2((maxes - row_max) * 1.4426950408889634), axis=0)
+        for p in gl.static_range(PIECES):
+            cols = split * CHUNK + p * PIECE + offs
+            x = chunk_smem.slice(p * PIECE, PIECE).load(layout).to(gl.float32)
+            y = gl.exp2((x - row_max) * 1.4426950408889634) * inv_sum
+            gl.store(y_ptr + row64 * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
+        _barrier()  # every thread has read its chunk before the next row's copies overwrite it
+
+
+# %%
+# How many programs fit
+# ---------------------
+# Every program of a row must run at the same time, or the ones that wait spin forever (lesson 02).
+# So the launcher starts no more programs than the GPU holds at once, and here that count has to be
+# exact: count one too many and a row's last program waits for a free SM that never comes. An SM
+# runs as many programs as the tightest of its limits allows:
+#
+# * **registers**: ``regs_per_multiprocessor`` (65,536 on Hopper) over registers per thread times
+#   threads per program, where registers are handed out in blocks of 256 per warp, so a thread's
+#   count rounds up to a multiple of 8;
+# * **threads**: ``max_threads_per_multi_processor`` (2,048);
+# * **shared memory**: ``shared_memory_per_multiprocessor`` (228 KiB on Hopper) over the program's
+#   shared memory plus the 1 KiB that the hardware reserves for each program;
+# * **programs**: at most 32 per SM on Hopper.
+#
+# The compiler reports the first and third figures for the compiled kernel (``n_regs`` and
+# ``metadata.shared``). Lesson 02's launcher, whose kernel uses almost no shared memory, leaves out
+# the reserved kilobyte; with 16 KiB chunks it is one program in seventeen.
+
+SHARED_CHUNK_BYTES, SHARED_PIECE, SHARED_WARPS = 16384, 2048, 4
+MAX_PROGRAMS_PER_SM, RESERVED_SHARED_BYTES = 32, 1024
+_compiled = {}
+
+
+def programs_per_sm(kernel, props, num_warps):
+    """How many programs of a compiled kernel one SM holds at once: the tightest of its limits."""
+    threads = 32 * num_warps
+    regs = -(-kernel.n_regs // 8) * 8
+    return min(props.regs_per_multiprocessor // (regs * threads), props.max_threads_per_multi_processor // threads,
+               props.shared_memory_per_multiprocessor // (kernel.metadata.shared + RESERVED_SHARED_BYTES),
+               MAX_PROGRAMS_PER_SM)
+
+
+def shared_unsupported(x):
+    """Why the shared-memory kernel cannot run on x here, or None when it can."""
+    if not ON_GPU or x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] != 9:
+        return "it needs a Hopper GPU (compute capability 9.x), where it was written and measured"
+    return None
+
+
+def _shared_args(x, chunk):
+    """The output, the kernel's arguments and compile-time constants for x in chunks of `chunk`."""
+    M, N = x.shape
+    splits = triton.cdiv(N, chunk)
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    stats = torch.empty((M, splits, 2), dtype=torch.float32, device=x.device)
+    arrived = torch.zeros((M,), dtype=torch.int32, device=x.device)
+    args = (x, y, stats, arrived, M, N, x.stride(0), x.stride(1), y.stride(0))
+    # 16-byte copies only where Triton sees every row start and row length as a multiple of 16 elements
+    aligned = x.stride(1) == 1 and x.stride(0) % 16 == 0 and N % 16 == 0 and x.data_ptr() % 16 == 0
+    return y, args, dict(CHUNK=chunk, PIECE=min(chunk, SHARED_PIECE), SPLITS=splits,
+                         SPLITS_POW2=triton.next_power_of_2(splits), VEC=16 // x.element_size(), WARPS=SHARED_WARPS,
+                         ASYNC=aligned)
+
+
+def compiled_kernel(args, meta):
+    """The kernel compiled for these arguments, with the programs per SM it allows: (kernel, per SM)."""
+    key = (args[0].device, args[0].dtype, tuple(sorted(meta.items())))
+    if key not in _compiled:
+        kernel = shared_split_row_kernel.warmup(*args, **meta, num_warps=SHARED_WARPS, grid=(1,))
+        kernel._init_handles()
+        props = torch.cuda.get_device_properties(args[0].device)
+        _compiled[key] = kernel, programs_per_sm(kernel, props, SHARED_WARPS)
+    return _compiled[key]
+
+
+def _shared_split_row(x, chunk):
+    y, args, meta = _shared_args(x, chunk)
+    M, splits = x.shape[0], meta["SPLITS"]
+    _, per_sm = compiled_kernel(args, meta)
+    groups = min(M, per_sm * torch.cuda.get_device_properties(x.device).multi_processor_count // splits)
+    if groups == 0:
+        raise ValueError(f"a row of {x.shape[1]} elements needs {splits} programs at once, more than this GPU holds")
+    shared_split_row_kernel[(groups * splits,)](*args, **meta, num_warps=SHARED_WARPS)
+    return y
+
+
+def shared_split_row_softmax(x, chunk=None):
+    """Row-wise softmax, each row read once by programs that hold their chunks in shared memory (Hopper).
+    chunk: elements per program, a power of two from 1,024 to 32,768 (default 16 KiB of the row)."""
+    x = LONG._prepare(x)
+    if chunk is not None:
+        LONG._check_block("chunk", chunk)
+        if not 1024 <= chunk <= 32768:
+            raise ValueError(f"chunk must be from 1024 to 32768 elements, got {chunk}")
+    reason = shared_unsupported(x)
+    if reason:
+        raise ValueError(f"shared_split_row_softmax cannot run here: {reason}")
+    chunk = chunk or SHARED_CHUNK_BYTES // x.element_size()
+    return LONG._differentiable(lambda t: _shared_split_row(t, chunk), x)
+
+
+# In an H100 run of this lesson (2026-11-26, 32K to 256K columns) this kernel ran at 1.00x to 1.02x
+# lesson 02's in fp32 and 1.05x to 1.07x in bf16: 16-bit rows gain, fp32 stays with lesson 02's kernel.
+SHARED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def long_softmax(x):
+    """Lesson 02's long_softmax, with the 16-bit rows that it gives to split-row programs held in shared
+    memory where this kernel can run."""
+    LONG.check_input(x)
+    if x.shape[1] > LONG.ROW_ON_CHIP_LIMIT and x.dtype in SHARED_DTYPES and shared_unsupported(x) is None:
+        return shared_split_row_softmax(x)
+    return LONG.long_softmax(x)
+
+
+# %%
+# Correctness
+# -----------
+# Against a float64 reference, values and gradients, at irregular shapes: rows shorter than a chunk,
+# rows that no chunk divides, split into up to 9 chunks of 1,024 elements so that the programs wait
+# for each other; row lengths that are multiples of 16 (copied by ``cp.async``) and ones that are
+# not (copied through registers), a strided view; in every supported dtype.
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    reason = shared_unsupported(torch.empty(1, device=DEVICE))
+    print("The shared-memory kernel runs here." if reason is None else
+          f"The shared-memory kernel did not run on this machine: {reason}.")
+    if reason is None:
+        for dtype in LONG.SUPPORTED_DTYPES:
+            for M, N, strided in [(1, 1, False), (3, 1000, False), (37, 8192, False), (5, 8999, True),
+                                  (2, 65552, False)]:
+                base = torch.randn(M, N + 24 * strided, device=DEVICE) * 10
+                leaf = base.to(dtype).requires_grad_()
+                x = leaf[:, 24:] if strided else leaf
+                y = shared_split_row_softmax(x, chunk=1024 if N < 65536 else None)
+                dy = torch.randn_like(y)
+                y.backward(dy)
+                x64 = x.detach().double().requires_grad_()
+                reference = torch.softmax(x64, dim=1)
+                reference.backward(dy.double())
+                tol = LONG.TOLERANCE[dtype]
+                torch.testing.assert_close(y.double(), reference.detach(), rtol=tol, atol=tol * 1e-2)
+                grad = leaf.grad[:, 24:] if strided else leaf.grad
+                torch.testing.assert_close(grad.double(), x64.grad, rtol=tol, atol=tol * dy.abs().max().item())
+            print(f"{str(dtype)[6:]:>8s}: values and gradients match float64 at 5 shapes")
+
+# %%
+# Benchmark
+# ---------
+# :math:`M = 4096` rows of 32K to 256K elements in GB/s, beside lesson 02's split-row kernel (its
+# ``long_softmax`` at these lengths, row-on-chip aside), ``torch.softmax`` and ``torch.compile``,
+# with lesson 01's harness. A copy of the same tensor measured in the same rounds gives the ceiling
+# for each case; the device's copy bandwidth of the other lessons is printed too. Without a Hopper
+# GPU there is no Gluon kernel to time, and lesson 02's page has the fallback's numbers.
+
+SHARED = "split row, shared memory (Gluon)"
+REGISTERS = "split row, registers (lesson 02)"
+
+
+def run_benchmark(M, sizes, dtypes):
+    rows = []
+    for dtype in dtypes:
+        for N in sizes:
+            x = torch.randn(M, N, device=DEVICE, dtype=dtype)
+            copy_of_x = torch.empty_like(x)
+            providers = {SHARED: shared_split_row_softmax, REGISTERS: LONG.split_row_softmax,
+                         "torch.softmax": lambda t: torch.softmax(t, dim=1)}
+            torch._dynamo.reset()
+            providers["torch.compile"] = torch.compile(lambda t: torch.softmax(t, dim=1), dynamic=False)
+            providers[FUSED.SAME_SIZE_COPY] = lambda t: copy_of_x.copy_(t)
+            timers = {name: functools.partial(FUSED.bench_ms, functools.partial(fn, x))
+                      for name, fn in providers.items()}
+            for name, ms in FUSED.fastest_of_rounds(timers).items():
+                rows.append(dict(dtype=str(dtype).split(".")[1], N=N, provider=name,
+                                 value=2 * x.numel() * x.element_size() / ms * 1e-6))
+    return rows
+
+
+if __name__ == "__main__":
+    print(FUSED.describe_platform())
+    if reason is None:
+        import pandas as pd
+
+        M, sizes, dtypes = 4096, [32768, 65536, 131072, 262144], [torch.float32, torch.bfloat16]
+        copy_gbs = FUSED.copy_bandwidth_gbs()
+        print(f"device copy bandwidth (256 MiB, as in lessons 01 and 02), measured now: {copy_gbs:.0f} GB/s")
+        results = pd.DataFrame(run_benchmark(M, sizes, dtypes))
+        table = results.pivot_table(index=["dtype", "N"], columns="provider", values="value", sort=False)
+
+# %%
+# The results
+# -----------
+# Every provider in GB/s (to 0.1), in this run; the last column is the copy of the same tensor:
+
+table.rename(columns=lambda name: f"{name} [GB/s]").round(1) if __name__ == "__main__" and reason is None else None
+
+# %%
+# What the numbers say
+# --------------------
+# Computed from the speeds above: each kernel as a share of the same-size copy, the shared-memory
+# kernel against the registers kernel and against the best PyTorch peer.
+
+if __name__ == "__main__" and reason is None:
+    peers = ["torch.softmax", "torch.compile"]
+    for (dtype, N), row in table.iterrows():
+        copy = row[FUSED.SAME_SIZE_COPY]
+        print(f"{dtype:>8s} N = {N:>6d}: shared {row[SHARED] / copy:.1%} of the same-size copy, registers "
+              f"{row[REGISTERS] / copy:.1%}; shared / registers {row[SHARED] / row[REGISTERS]:.2f}x, "
+              f"/ best PyTorch peer {row[SHARED] / row[peers].max():.2f}x")
+    FUSED.save_results("08-long-softmax-gluon", [{
+        "name": f"long-row softmax in shared memory, M = {M}", "unit": "GB/s", "ceiling_name": "copy bandwidth",
+        "ceiling": copy_gbs, "ours": [SHARED], "peers": peers, "rows": results.to_dict("records")}])
+elif __name__ == "__main__":
+    print("No numbers here: the Gluon kernel did not run (see above).")
+
+# %%
+# Bytes in flight and speed
+# -------------------------
+# The claim of this lesson, tested: the speed follows how much of the row each SM holds while its
+# programs wait. For bf16 rows of 262,144 elements, the cell compiles lesson 02's kernel and this
+# one with chunks of 4K to 32K elements, and for each prints registers per thread, shared memory,
+# programs per SM (by the rule above) and so the KiB of the row on each SM, beside the speed as a
+# share of a same-size copy timed in the same rounds. Bytes per SM are not the only term: the smaller
+# the chunk, the more programs share a row and wait for its slowest one (64 of them at 4K elements),
+# and the larger the chunk, the fewer programs an SM runs to hide one another's waits. The last line
+# compares the points at equal bytes per SM.
+
+if __name__ == "__main__" and reason is None:
+    import matplotlib.pyplot as plt
+
+    N, sms = sizes[-1], torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    x = torch.randn(M, N, device=DEVICE, dtype=torch.bfloat16)
+    copy_of_x = torch.empty_like(x)
+    held, timers = {}, {"copy": functools.partial(FUSED.bench_ms, functools.partial(copy_of_x.copy_, x))}
+    for chunk in (4096, 8192, 16384, 32768):
+        _, args, meta = _shared_args(x, chunk)
+        kernel, per_sm = compiled_kernel(args, meta)
+        held[f"shared, {chunk} per program"] = (kernel.n_regs, kernel.metadata.shared, per_sm, chunk * 2)
+        timers[f"shared, {chunk} per program"] = functools.partial(
+            FUSED.bench_ms, functools.partial(shared_split_row_softmax, x, chunk))
+    _, args, meta = LONG._split_row_args(x, LONG.SPLIT_BYTES // 2)
+    kernel = LONG.split_row_kernel.warmup(*args, **meta, num_warps=LONG.SPLIT_WARPS, grid=(1,))
+    kernel._init_handles()
+    per_sm = LONG._programs_that_fit(args, meta, LONG.SPLIT_WARPS) // sms
+    held["registers (lesson 02)"] = (kernel.n_regs, kernel.metadata.shared, per_sm, LONG.SPLIT_BYTES)
+    timers["registers (lesson 02)"] = functools.partial(FUSED.bench_ms, functools.partial(LONG.split_row_softmax, x))
+    ms = FUSED.fastest_of_rounds(timers)
+    points = []
+    for name, (regs, shared, per_sm, chunk_bytes) in held.items():
+        share = ms["copy"] / ms[name]
+        points.append((per_sm * chunk_bytes / 1024, share, name))
+        print(f"{name:>28s}: {regs:3d} registers, {shared:6d} bytes of shared memory, {per_sm:2d} programs per SM, "
+              f"{per_sm * chunk_bytes // 1024:4d} KiB of the row per SM: {share:.1%} of the same-size copy")
+    for kib in sorted({kib for kib, _, _ in points}):
+        same = sorted((share, name) for k, share, name in points if k == kib)
+        if len(same) > 1:
+            print(f"At {kib:.0f} KiB per SM: " + ", ".join(f"{name} {share:.1%}" for share, name in same))
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    for kib, share, name in points:
+        ax.plot(kib, 100 * share, "o", color="#e4a23c" if "registers" in name else "#3b7dd8")
+        ax.annotate(name, (kib, 100 * share), textcoords="offset points", xytext=(6, -12), fontsize=10)
+    ax.axhline(100, color="black", linestyle="--", linewidth=1, label="same-size copy")
+    ax.set(xlabel="KiB of the row held per SM (programs per SM x bytes per program)", ylabel="% of same-size copy",
+           title=f"bf16 rows of {N} elements: speed against bytes held per SM", xlim=(0, None))
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    plt.show()
+
+# %%
+# Exercises
+# ---------
+# Both need a Hopper GPU. Check your function with ``check_split_row(fn)``: it runs ``fn(x)`` on fresh
+# random inputs of irregular shapes in every supported dtype, compares with a float64 reference with
+# ``torch.testing.assert_close`` (so ``NaN`` fails), and raises ``AssertionError`` saying what is
+# wrong, or prints one line saying the function passed. Solutions are not given here.
+#
+# 1. **One pass for the chunk's statistics.** The kernel reads its chunk three times from shared
+#    memory. Merge the maximum pass and the sum pass into one that keeps, per lane, a running
+#    maximum and a rescaled running sum (lesson 02's online softmax), and merges the lanes at the
+#    end with the combine step. Check it, then time it against ``shared_split_row_softmax`` on
+#    :math:`4096 \times 262144` bf16 rows: does one read fewer of shared memory show, and how many
+#    exponentials does each element now cost?
+# 2. **One bulk copy per chunk.** Hopper's TMA copies a whole box with one instruction from one
+#    thread (lesson 06 shows descriptors, ``mbarrier`` and ``async_copy_global_to_shared`` from
+#    ``gluon.language.nvidia.hopper.tma``). View a row of :math:`N` elements as an
+#    :math:`(N / 256) \times 256` matrix, load each chunk as one box, and handle the rows whose
+#    length the view does not allow with the kernel above. Check it and measure whether fewer copy
+#    instructions move the speed.
+
+
+def check_split_row(fn):
+    """Check fn(x) -> row-wise softmax on irregular shapes, every dtype, rows up to 70,000 elements."""
+    count = 0
+    for dtype in LONG.SUPPORTED_DTYPES:
+        for M, N in [(1, 1), (3, 1000), (5, 4099), (7, 65536), (2, 70000)]:
+            x = (torch.randn(M, N, device=DEVICE) * 10).to(dtype)
+            x[0, ::5] = -float("inf")
+            x[0, -1] = 0.0  # one finite logit per row: an all -inf row has no softmax
+            LONG._expect_close("your split-row softmax", f"{M}x{N} {str(dtype)[6:]}", fn(x),
+                               torch.softmax(x.double(), dim=1), dtype, LONG.TOLERANCE[dtype],
+                               LONG.TOLERANCE[dtype] * 1e-2)
+            count += 1
+    print(f"your split-row softmax passed on {count} fresh inputs (irregular shapes, fp32/fp16/bf16, masked logits).")
