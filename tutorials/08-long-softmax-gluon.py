@@ -3,10 +3,11 @@ Hopper III: long softmax rows in shared memory, in Gluon
 ========================================================
 
 Lesson 02's split-row softmax reads each element of a long row once, yet in bf16 it stays further
-from the copy bandwidth than in fp32, and its last cells say why: each program holds its chunk of
-the row in registers, as fp32 values, until the row's statistics arrive, so fewer programs fit on an
-SM and less of the row is in flight. This lesson keeps the chunk in shared memory instead, as the
-16-bit values that were read, something Triton does not let a program ask for and Gluon does.
+from the copy bandwidth than in fp32, and its section "Registers and bytes in flight, by dtype" says
+why: each program holds its chunk of the row in registers, as fp32 values, until the row's
+statistics arrive, so fewer programs fit on an SM and less of the row is held on chip. This lesson
+keeps the chunk in shared memory instead, as the 16-bit values that were read, something Triton
+does not let a program ask for and Gluon does.
 
 You will learn:
 
@@ -17,9 +18,10 @@ You will learn:
 * a pitfall: read the same shared memory twice and the compiler may keep the first read's values
   in registers; a barrier between the passes stops it;
 * how many programs fit on an SM at once (registers, threads, shared memory, and the 1 KiB that
-  the hardware reserves per program), and why a kernel whose programs wait for each other must
-  count exactly;
-* how the speed follows the bytes of the row in flight per SM, measured over chunk sizes.
+  CUDA reserves per program), and why a kernel whose programs wait for each other must not count
+  one too many;
+* how far the bytes of the row held per SM explain the speed, measured over chunk sizes, and what
+  else counts.
 
 This lesson needs ``02-long-softmax.py`` and ``01-fused-softmax.py`` next to it (the site's zip of
 all lessons has them): it reuses their checks, backward pass and benchmark harness, and where Gluon
@@ -98,17 +100,19 @@ FUSED = LONG.FUSED
 #
 # * **Registers**: 64K 32-bit registers, 256 KiB. Lesson 02's kernel converts each element to fp32
 #   as it loads it, and the compiler keeps those fp32 values until the normalization, so a bf16
-#   chunk takes twice its bytes. Lesson 02's last cells print what that leaves: fewer programs per
-#   SM in bf16 than in fp32, and so fewer bytes of the row in flight.
+#   chunk takes twice its bytes. Lesson 02's section "Registers and bytes in flight, by dtype"
+#   prints what that leaves: fewer programs per SM in bf16 than in fp32, and so fewer bytes of the
+#   row held per SM.
 # * **Shared memory**: 228 KiB, which holds the 16-bit values as they were read. Triton decides on
 #   its own what goes there; Gluon lets a program allocate it and copy into it.
 #
 # The kernel below copies its chunk straight from global memory into shared memory with
-# ``cp.async`` (Ampere's asynchronous copy, which bypasses the registers), then reads it back a piece
-# at a time, three times: for the maximum, for the sum, and, after the wait, to normalize and write
-# the output. Only one piece of fp32 values is ever live in registers, so a program needs few of them
-# and shared memory sets how many programs fit. The picture shows one program's path; it is a
-# diagram, not a measurement.
+# ``cp.async``, Ampere's asynchronous copy: a copy in flight needs no destination registers, as a
+# plain load does. It then reads the chunk back a *piece* at a time (2,048 elements, 16 per thread of
+# its 4 warps), three times: for the maximum, for the sum, and, after the wait, to normalize and write
+# the output. What waits through the wait is in shared memory; the registers hold a piece's worth of
+# fp32 values and the bookkeeping around them. The picture shows one program's path among the
+# :math:`S` programs of a row; it is a diagram, not a measurement.
 
 
 def draw_data_path():
@@ -116,23 +120,24 @@ def draw_data_path():
     from matplotlib.patches import FancyArrowPatch, Rectangle
 
     fig, ax = plt.subplots(figsize=(8, 3.4))
-    boxes = {"global": (0.0, 0.5, 2.2, 2.0, "#d9d9d9", "global memory\nrow r: chunks\n0, 1, ..., S-1"),
-             "shared": (3.2, 1.6, 2.2, 1.0, "#9ecae1", "shared memory\nthis program's chunk,\n16-bit as read"),
+    boxes = {"global": (0.0, 0.5, 2.2, 2.0, "#d9d9d9", "global memory\nrow r, in S chunks:\none per program"),
+             "shared": (3.2, 1.6, 2.2, 1.0, "#9ecae1", "shared memory\nthis program's chunk,\nin the input's dtype"),
              "regs": (3.2, 0.0, 2.2, 1.0, "#fdd0a2", "registers\none piece at a time,\nin fp32"),
-             "stats": (6.8, 1.6, 1.9, 1.0, "#c7e9c0", "stats buffer and\nthe row's arrival\ncounter (global)"),
+             "stats": (6.8, 1.6, 1.9, 1.0, "#c7e9c0", "every chunk's\n(max, sum), and the\nrow's arrival count"),
              "out": (6.8, 0.0, 1.9, 1.0, "#d9d9d9", "output row r\n(global memory)")}
     for x, y, w, h, color, label in boxes.values():
         ax.add_patch(Rectangle((x, y), w, h, facecolor=color, edgecolor="black"))
         ax.text(x + w / 2, y + h / 2, label, ha="center", va="center", fontsize=10)
-    arrows = [((2.2, 2.1), (3.2, 2.1), "1. cp.async", (2.7, 2.25)),
-              ((4.3, 1.6), (4.3, 1.0), "2, 3, 4: each pass\nreads it back", (4.4, 1.3)),
-              ((5.4, 0.8), (6.8, 1.8), "publish,\nwait", (5.85, 1.45)),
-              ((5.4, 0.3), (6.8, 0.3), "4. normalize,\nwrite", (6.1, 0.45))]
-    for start, end, label, (tx, ty) in arrows:
-        ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=14, color="black"))
-        ax.text(tx, ty, label, fontsize=10, ha="left" if start[0] == end[0] else "center",
-                va="center" if start[0] == end[0] else "bottom")
-    ax.set(xlim=(-0.1, 8.8), ylim=(-0.2, 2.8), aspect="equal")
+    arrows = [((2.2, 2.1), (3.2, 2.1), "-|>", "1. cp.async", (2.7, 2.25), "center"),
+              ((4.3, 1.6), (4.3, 1.0), "-|>", "read back for\n2. max, 3. sum,\n5. normalize", (4.2, 1.3), "right"),
+              ((5.4, 0.8), (6.8, 1.8), "<|-|>", "4. publish,\nwait, read all", (5.5, 1.75), "left"),
+              ((5.4, 0.3), (6.8, 0.3), "-|>", "5. write", (6.1, 0.45), "center")]
+    for start, end, style, label, (tx, ty), align in arrows:
+        ax.add_patch(FancyArrowPatch(start, end, arrowstyle=style, mutation_scale=14, color="black"))
+        ax.text(tx, ty, label, fontsize=10, ha=align, va="center" if align == "right" else "bottom")
+    ax.text(7.75, 2.75, "the row's other S - 1 programs\ndo the same with their chunks", ha="center", va="bottom",
+            fontsize=10, style="italic")
+    ax.set(xlim=(-0.1, 8.8), ylim=(-0.2, 3.3), aspect="equal")
     ax.axis("off")
     ax.set_title("One split-row program: the chunk waits in shared memory, not in registers")
     fig.tight_layout()
@@ -151,22 +156,27 @@ if __name__ == "__main__":
 # * ``gl.allocate_shared_memory`` gives the program a buffer of ``CHUNK`` elements in the input's
 #   dtype. A plain layout (``SwizzledSharedLayout(1, 1, 1, [0])``) is enough: each thread reads
 #   back, in the same register layout, the elements it copied, so no two threads collide on a bank
-#   more than a plain copy does.
+#   more than a plain copy does, and no thread needs another's copies: after ``wait_group`` there is
+#   no barrier to wait at.
 # * The copy is ``async_load`` from ``gluon.language.nvidia.ampere.async_copy`` (Triton 3.6 names it
 #   ``async_copy_global_to_shared``; later releases call it ``async_load`` and make the old name
 #   raise). Each thread issues 16-byte copies, ``commit_group`` closes the batch and
-#   ``wait_group(0)`` waits for this thread's copies to land.
-# * ``cp.async`` moves 4, 8 or 16 bytes, and the compiler must prove that each one is aligned. Triton
-#   knows an integer argument is a multiple of 16 only when it was one at the first call (it compiles
-#   a variant per case), so for a row length or row stride that is not, it can prove nothing wider
-#   than one 2-byte element, and refuses to compile the copy. The launcher then picks ``ASYNC=False``,
-#   which copies through registers (``gl.load``, then a store to shared memory).
+#   ``wait_group(0)`` waits for this thread's copies to land. A program waits for its copies right
+#   away; the other programs on its SM keep the memory system busy meanwhile.
+# * ``cp.async`` moves 4, 8 or 16 bytes, and the compiler must prove that each one is aligned.
+#   Triton compiles a variant of the kernel for each set of such facts it sees in a call, and knows
+#   that an integer argument is a multiple of 16 only in the variant for calls where it was one. For
+#   a 16-bit row length or row stride that is not, it can prove nothing wider than one 2-byte
+#   element, below the copy's 4 bytes, and refuses to compile it. The launcher then picks
+#   ``ASYNC=False`` (for every dtype, to keep one rule), which copies through registers:
+#   ``gl.load``, then a store to shared memory. In an H100 probe (engineering notes) that path ran at
+#   90% of a copy where ``cp.async`` ran at 92% to 93%.
 # * **The barrier between the passes.** The maximum pass and the sum pass read the same shared
 #   memory. Nothing is written in between, so the compiler may load each piece once and keep every
 #   value for the second pass, which brings back exactly the registers this lesson set out to save:
 #   compiled offline for sm_90a with Triton 3.9 (not this page's numbers), 16,384 bf16 elements per
-#   4 warps took 255 registers per thread without the barrier, 80 with it. A barrier is an operation
-#   on shared memory, so no load moves across it.
+#   4 warps took 255 registers per thread without the barrier, 80 with it. The compiler must assume
+#   that a barrier changes shared memory, so it cannot reuse a value loaded before one.
 
 
 from triton.experimental import gluon  # noqa: E402
@@ -233,41 +243,52 @@ def shared_split_row_kernel(x_ptr, y_ptr, stats_ptr, arrived_ptr, M, N, x_row_st
             x = chunk_smem.slice(p * PIECE, PIECE).load(layout).to(gl.float32)
             y = gl.exp2((x - row_max) * 1.4426950408889634) * inv_sum
             gl.store(y_ptr + row64 * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
-        _barrier()  # every thread has read its chunk before the next row's copies overwrite it
+        _barrier()  # cp.async does not wait for this thread's reads of the buffer; the barrier does
 
 
 # %%
 # How many programs fit
 # ---------------------
 # Every program of a row must run at the same time, or the ones that wait spin forever (lesson 02).
-# So the launcher starts no more programs than the GPU holds at once, and here that count has to be
-# exact: count one too many and a row's last program waits for a free SM that never comes. An SM
-# runs as many programs as the tightest of its limits allows:
+# So the launcher starts no more programs than the GPU holds at once: count one too many and a row's
+# last program waits for a free SM that never comes. (CUDA promises that all programs run together
+# only to a *cooperative* launch, which Triton does not make; like lesson 02's, this kernel relies on
+# a count within the limits, on a GPU that runs nothing else.) An SM runs as many programs as the
+# tightest of its limits allows:
 #
 # * **registers**: ``regs_per_multiprocessor`` (65,536 on Hopper) over registers per thread times
 #   threads per program, where registers are handed out in blocks of 256 per warp, so a thread's
 #   count rounds up to a multiple of 8;
 # * **threads**: ``max_threads_per_multi_processor`` (2,048);
 # * **shared memory**: ``shared_memory_per_multiprocessor`` (228 KiB on Hopper) over the program's
-#   shared memory plus the 1 KiB that the hardware reserves for each program;
+#   shared memory plus the 1 KiB that CUDA reserves for each program (Nsight Compute lists it as
+#   "Driver Shared Memory Per Block"), in units of 128 bytes;
 # * **programs**: at most 32 per SM on Hopper.
 #
 # The compiler reports the first and third figures for the compiled kernel (``n_regs`` and
 # ``metadata.shared``). Lesson 02's launcher, whose kernel uses almost no shared memory, leaves out
-# the reserved kilobyte; with 16 KiB chunks it is one program in seventeen.
+# the reserved kilobyte. Here it matters: 14 programs of 16 KiB chunks would fit in 228 KiB without
+# it, 13 with it. (The driver then sizes the SM's shared memory to the count the other limits allow;
+# Nsight Compute showed 200,704 bytes configured for the kernel with 16 KiB chunks.)
 
 SHARED_CHUNK_BYTES, SHARED_PIECE, SHARED_WARPS = 16384, 2048, 4
 MAX_PROGRAMS_PER_SM, RESERVED_SHARED_BYTES = 32, 1024
 _compiled = {}
 
 
-def programs_per_sm(kernel, props, num_warps):
-    """How many programs of a compiled kernel one SM holds at once: the tightest of its limits."""
+def program_limits(kernel, props, num_warps):
+    """How many programs of a compiled kernel one SM could hold by each of its limits alone."""
     threads = 32 * num_warps
     regs = -(-kernel.n_regs // 8) * 8
-    return min(props.regs_per_multiprocessor // (regs * threads), props.max_threads_per_multi_processor // threads,
-               props.shared_memory_per_multiprocessor // (kernel.metadata.shared + RESERVED_SHARED_BYTES),
-               MAX_PROGRAMS_PER_SM)
+    shared = -(-(kernel.metadata.shared + RESERVED_SHARED_BYTES) // 128) * 128
+    return {"registers": props.regs_per_multiprocessor // (regs * threads),
+            "threads": props.max_threads_per_multi_processor // threads,
+            "shared memory": props.shared_memory_per_multiprocessor // shared, "programs": MAX_PROGRAMS_PER_SM}
+
+
+def programs_per_sm(kernel, props, num_warps):
+    """How many programs of a compiled kernel one SM holds at once: the tightest of its limits."""
+    return min(program_limits(kernel, props, num_warps).values())
 
 
 def shared_unsupported(x):
@@ -329,8 +350,11 @@ def shared_split_row_softmax(x, chunk=None):
     return LONG._differentiable(lambda t: _shared_split_row(t, chunk), x)
 
 
-# In an H100 run of this lesson (2026-11-26, 32K to 256K columns) this kernel ran at 1.00x to 1.02x
-# lesson 02's in fp32 and 1.05x to 1.08x in bf16: 16-bit rows gain, fp32 stays with lesson 02's kernel.
+# In the first H100 build of this lesson (2026-11-26, 32K to 256K columns) this kernel ran at 1.00x to
+# 1.02x lesson 02's in fp32, whose registers already hold 128 KiB of the row per SM, and 1.05x to 1.08x
+# in bf16. So 16-bit rows come here (fp16 moves the same bytes as bf16; only bf16 was timed), and fp32
+# stays with lesson 02's kernel. Rows up to lesson 02's ROW_ON_CHIP_LIMIT stay with its row-on-chip
+# kernel, which its page measures faster at 32,768 columns than this kernel measures here.
 SHARED_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -378,8 +402,8 @@ if __name__ == "__main__":
 # %%
 # Benchmark
 # ---------
-# :math:`M = 4096` rows of 32K to 256K elements in GB/s, beside lesson 02's split-row kernel (its
-# ``long_softmax`` at these lengths, row-on-chip aside), ``torch.softmax`` and ``torch.compile``,
+# :math:`M = 4096` rows of 32K to 256K elements in GB/s, beside lesson 02's split-row kernel (which
+# lesson 02's ``long_softmax`` runs from 32,769 columns on), ``torch.softmax`` and ``torch.compile``,
 # with lesson 01's harness. A copy of the same tensor measured in the same rounds gives the ceiling
 # for each case; the device's copy bandwidth of the other lessons is printed too. Without a Hopper
 # GPU there is no Gluon kernel to time, and lesson 02's page has the fallback's numbers.
@@ -445,60 +469,68 @@ elif __name__ == "__main__":
     print("No numbers here: the Gluon kernel did not run (see above).")
 
 # %%
-# Bytes in flight and speed
-# -------------------------
-# The claim of this lesson, tested: the speed follows how much of the row each SM holds while its
+# Bytes held and speed
+# ---------------------
+# The claim of this lesson, tested: the speed rises with how much of the row each SM holds while its
 # programs wait. For bf16 rows of 262,144 elements, the cell compiles lesson 02's kernel and this
 # one with chunks of 4K to 32K elements, and for each prints registers per thread, shared memory,
-# programs per SM (by the rule above) and so the KiB of the row on each SM, beside the speed as a
-# share of a same-size copy timed in the same rounds. Bytes per SM are not the only term: the smaller
-# the chunk, the more programs share a row and wait for its slowest one (64 of them at 4K elements),
-# and the larger the chunk, the fewer programs an SM runs to hide one another's waits. The last line
-# compares the points at equal bytes per SM.
+# programs per SM (by the rule above, with the limit that binds) and so the KiB of the row held on
+# each SM, beside the speed as a share of a same-size copy timed in the same rounds. Bytes per SM
+# are not the only term: the smaller the chunk, the more programs share a row and wait for its
+# slowest one (64 of them at 4K elements), and the larger the chunk, the fewer programs an SM runs to
+# cover one another's waits. The last lines compare points at equal bytes per SM, and the default
+# chunk (16 KiB, chosen over 65,536 to 262,144 columns in an H100 probe: engineering notes) with the
+# fastest one at this length.
 
 if __name__ == "__main__" and reason is None:
     import matplotlib.pyplot as plt
 
-    N, sms = sizes[-1], torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    N, props = sizes[-1], torch.cuda.get_device_properties(DEVICE)
     x = torch.randn(M, N, device=DEVICE, dtype=torch.bfloat16)
     copy_of_x = torch.empty_like(x)
     held, timers = {}, {"copy": functools.partial(FUSED.bench_ms, functools.partial(copy_of_x.copy_, x))}
     for chunk in (4096, 8192, 16384, 32768):
         _, args, meta = _shared_args(x, chunk)
-        kernel, per_sm = compiled_kernel(args, meta)
-        held[f"shared, {chunk} per program"] = (kernel.n_regs, kernel.metadata.shared, per_sm, chunk * 2)
+        kernel, _ = compiled_kernel(args, meta)
+        held[f"shared, {chunk} per program"] = (kernel, SHARED_WARPS, chunk * 2)
         timers[f"shared, {chunk} per program"] = functools.partial(
             FUSED.bench_ms, functools.partial(shared_split_row_softmax, x, chunk))
     _, args, meta = LONG._split_row_args(x, LONG.SPLIT_BYTES // 2)
     kernel = LONG.split_row_kernel.warmup(*args, **meta, num_warps=LONG.SPLIT_WARPS, grid=(1,))
     kernel._init_handles()
-    per_sm = LONG._programs_that_fit(args, meta, LONG.SPLIT_WARPS) // sms
-    held["registers (lesson 02)"] = (kernel.n_regs, kernel.metadata.shared, per_sm, LONG.SPLIT_BYTES)
+    held["registers (lesson 02)"] = (kernel, LONG.SPLIT_WARPS, LONG.SPLIT_BYTES)
     timers["registers (lesson 02)"] = functools.partial(FUSED.bench_ms, functools.partial(LONG.split_row_softmax, x))
     ms = FUSED.fastest_of_rounds(timers)
     points = []
-    for name, (regs, shared, per_sm, chunk_bytes) in held.items():
-        share = ms["copy"] / ms[name]
+    for name, (kernel, warps, chunk_bytes) in held.items():
+        limits = program_limits(kernel, props, warps)
+        per_sm, share = min(limits.values()), ms["copy"] / ms[name]
         points.append((per_sm * chunk_bytes / 1024, share, name))
-        print(f"{name:>28s}: {regs:3d} registers, {shared:6d} bytes of shared memory, {per_sm:2d} programs per SM, "
-              f"{per_sm * chunk_bytes // 1024:4d} KiB of the row per SM: {share:.1%} of the same-size copy")
+        print(f"{name:>26s}: {kernel.n_regs:3d} registers, {kernel.metadata.shared:5d} bytes of shared memory; "
+              f"{per_sm:2d} programs per SM (by {min(limits, key=limits.get)}), {per_sm * chunk_bytes // 1024:3d} KiB "
+              f"of the row per SM: {share:.1%} of the same-size copy")
     for kib in sorted({kib for kib, _, _ in points}):
         same = sorted((share, name) for k, share, name in points if k == kib)
         if len(same) > 1:
             print(f"At {kib:.0f} KiB per SM: " + ", ".join(f"{name} {share:.1%}" for share, name in same))
+    default = f"shared, {SHARED_CHUNK_BYTES // 2} per program"
+    best = max(points, key=lambda point: point[1])
+    print(f"The default chunk, {default}: {ms['copy'] / ms[default]:.1%}; the fastest here, {best[2]}: {best[1]:.1%}")
     fig, ax = plt.subplots(figsize=(8, 4.2))
     for kib, share, name in points:
         registers = "registers" in name
         ax.plot(kib, 100 * share, "o", color="#e4a23c" if registers else "#3b7dd8",
                 label="lesson 02 (registers)" if registers else None)
         label = "" if registers else name.split(", ")[1].replace(" per program", "")
-        ax.annotate(label, (kib, 100 * share), textcoords="offset points", xytext=(7, -4), fontsize=10)
+        below = any(k == kib and other > share for k, other, _ in points)  # two points at one x: one label each side
+        ax.annotate(label, (kib, 100 * share), textcoords="offset points", xytext=(7, -3 if below else 3),
+                    va="top" if below else "bottom", fontsize=10)
     ax.plot([], [], "o", color="#3b7dd8", label="shared memory, elements per program as marked")
     ax.axhline(100, color="black", linestyle="--", linewidth=1, label="same-size copy")
     ax.set(xlabel="KiB of the row held per SM (programs per SM x bytes per program)", ylabel="% of same-size copy",
            title=f"bf16 rows of {N} elements: speed against bytes held per SM",
-           xlim=(0, 1.2 * max(kib for kib, _, _ in points)), ylim=(None, 108))
-    ax.legend(loc="upper left", ncol=2)
+           xlim=(0, 1.2 * max(kib for kib, _, _ in points)), ylim=(0, 105))
+    ax.legend(loc="lower right")
     fig.tight_layout()
     plt.show()
 
