@@ -411,7 +411,7 @@ if __name__ == "__main__":
 # limit time ``long_softmax``'s fallback beside ``torch.softmax``.
 
 SHARED = "split row, shared memory (Gluon)"
-CHOICE = "long_softmax (this lesson's choice)"
+CHOICE = "long_softmax (default path)"
 REGISTERS = "split row, registers (lesson 02)"
 
 
