@@ -221,6 +221,31 @@ def test_programs_per_sm_takes_the_tightest_limit(n_regs, shared, expected):
     assert LESSON_08.programs_per_sm(_Compiled(n_regs, shared), h100, 4) == expected
 
 
+def test_the_shared_row_table_covers_every_case_with_a_usable_chunk():
+    cases = [(dtype, N) for dtype in ("bfloat16", "float32") for N in LESSON_08.SHARED_LENGTHS]
+    assert sorted(LESSON_08.SHARED_CHUNKS) == sorted(cases)
+    for (dtype, N), chunk in LESSON_08.SHARED_CHUNKS.items():
+        assert chunk is None or (1024 <= chunk <= 32768 and chunk & (chunk - 1) == 0), (dtype, N, chunk)
+
+
+def test_the_shared_row_table_written_by_the_sweep_reads_back_as_the_same_table():
+    import tune
+
+    namespace = {}
+    exec("\n".join(tune.literal("TABLE", LESSON_08.SHARED_CHUNKS)), namespace)
+    assert namespace["TABLE"] == LESSON_08.SHARED_CHUNKS
+
+
+@pytest.mark.parametrize("dtype, N, entry", [(torch.bfloat16, 32769, ("bfloat16", 65536)),
+                                             (torch.float16, 65537, ("bfloat16", 131072)),
+                                             (torch.float32, 131072, ("float32", 131072)),
+                                             (torch.float32, 1_000_000, ("float32", 262144))])
+def test_a_row_length_takes_the_entry_at_or_above_it(dtype, N, entry, monkeypatch):
+    table = {key: 1024 * (i + 1) for i, key in enumerate(sorted(LESSON_08.SHARED_CHUNKS))}
+    monkeypatch.setattr(LESSON_08, "SHARED_CHUNKS", table)
+    assert LESSON_08.tuned_chunk(torch.empty(1, N, dtype=dtype, device="meta")) == table[entry]
+
+
 @pytest.mark.skipif(not ON_HOPPER, reason="the shared-memory kernel needs a Hopper GPU")
 @pytest.mark.parametrize("N, chunk", [(5001, 1024), (65552, None), (70001, 2048), (40000, None), (1024, 1024)])
 @pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)

@@ -2,6 +2,8 @@
 
     python tools/tune.py softmax        # tile height, warps, pipelining depth, persistent or not
     python tools/tune.py split-row      # chunk and warps of lesson 02's row-sharing kernel
+    python tools/tune.py shared-row     # lesson 08's chunk per dtype and row length, or lesson 02's kernel:
+                                        # rewrites the table in lesson 08
     python tools/tune.py attention      # lesson 05's tiles, and the fastest forward and backward of 06 and 07:
                                         # rewrites the tables in those lessons
     python tools/tune.py attention-paths 1024   # only the forward and backward choices, at these lengths
@@ -80,6 +82,36 @@ def tune_split_row():
             online = gbs(bench(lambda: lesson.online_softmax(x)))
             top = "; ".join(f"{g:.0f} GB/s chunk={c} w={w}" for g, c, w in results[:4])
             print(f"{str(dtype)[6:]:9s} N={N:6d} online {online:5.0f} | split {top}", flush=True)
+
+
+def tune_shared_row():
+    """Lesson 08's kernel with chunks of 8 to 64 KiB against lesson 02's registers kernel, per dtype and row
+    length, fastest of 4 alternating timings; the winner of each case rewritten into lesson 08's table."""
+    lesson = load("08-long-softmax-gluon")
+    M, table = 4096, {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for N in lesson.SHARED_LENGTHS:
+            x = torch.randn(M, N, device="cuda", dtype=dtype)
+            reference = torch.softmax(x.double(), dim=1)
+            timers = {None: functools.partial(lesson.LONG.split_row_softmax, x)}
+            for chunk_bytes in (8192, 16384, 32768, 65536):
+                chunk = chunk_bytes // x.element_size()
+                timers[chunk] = functools.partial(lesson.shared_split_row_softmax, x, chunk)
+            for key, fn in timers.items():
+                error = (fn().double() - reference).abs().max().item()
+                assert error < 1e-2, (dtype, N, key, error)
+            times = {key: [] for key in timers}
+            for r in range(4):
+                for key in (list(timers) if r % 2 == 0 else list(timers)[::-1]):
+                    times[key].append(bench(timers[key]))
+            fastest = {key: min(ms) for key, ms in times.items()}
+            table[(str(dtype)[6:], N)] = min(fastest, key=fastest.get)
+            gbs = {key: 2 * x.numel() * x.element_size() / ms * 1e-6 for key, ms in fastest.items()}
+            print(f"{str(dtype)[6:]:9s} N={N:6d} " + ", ".join(
+                f"{'registers' if key is None else key}: {g:.0f} GB/s" for key, g in gbs.items()), flush=True)
+    note = (f"# tools/tune.py shared-row, {datetime.date.today().isoformat()}, {torch.cuda.get_device_name()}, "
+            f"torch {torch.__version__}, Triton {triton.__version__}")
+    write_block(TUTORIALS / "08-long-softmax-gluon.py", "shared-row chunks", [note] + literal("SHARED_CHUNKS", table))
 
 
 def write_block(path, title, lines):
@@ -316,4 +348,5 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["attention-paths"]:
         tune_attention_paths([int(n) for n in sys.argv[2:]])
     else:
-        {"softmax": tune_softmax, "split-row": tune_split_row, "attention": tune_attention}[sys.argv[1]]()
+        {"softmax": tune_softmax, "split-row": tune_split_row, "shared-row": tune_shared_row,
+         "attention": tune_attention}[sys.argv[1]]()

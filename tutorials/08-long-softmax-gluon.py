@@ -350,20 +350,42 @@ def shared_split_row_softmax(x, chunk=None):
     return LONG._differentiable(lambda t: _shared_split_row(t, chunk), x)
 
 
-# In the first H100 build of this lesson (2026-11-26, 32K to 256K columns) this kernel ran at 1.00x to
-# 1.02x lesson 02's in fp32, whose registers already hold 128 KiB of the row per SM, and 1.05x to 1.08x
-# in bf16. So 16-bit rows come here (fp16 moves the same bytes as bf16; only bf16 was timed), and fp32
-# stays with lesson 02's kernel. Rows up to lesson 02's ROW_ON_CHIP_LIMIT stay with its row-on-chip
-# kernel, which its page measures faster at 32,768 columns than this kernel measures here.
-SHARED_DTYPES = (torch.float16, torch.bfloat16)
+# Which kernel and chunk ``long_softmax`` runs is measured, not argued: ``tools/tune.py shared-row``
+# times this kernel with chunks of 8 to 64 KiB beside lesson 02's registers kernel, per dtype and row
+# length, on :math:`M = 4096` rows, and writes the fastest into the table below (``None`` where lesson
+# 02's kernel won), with the GPU and versions that produced it. fp16 moves the same bytes as bf16 and
+# takes its entries; a row length takes the entry of the nearest measured length at or above it (the
+# longest beyond). Rows up to lesson 02's ``ROW_ON_CHIP_LIMIT`` stay with its row-on-chip kernel,
+# which its page measures faster at 32,768 columns than this kernel measures here.
+SHARED_LENGTHS = (65536, 131072, 262144)
+
+# BEGIN tools/tune.py shared-row chunks: written by the sweep; run it again rather than edit these lines.
+# tools/tune.py shared-row, 2026-11-26, NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, Triton 3.6.0
+SHARED_CHUNKS = {
+    ('bfloat16', 65536): 8192,
+    ('bfloat16', 131072): 8192,
+    ('bfloat16', 262144): 16384,
+    ('float32', 65536): 4096,
+    ('float32', 131072): 8192,
+    ('float32', 262144): 8192,
+}
+# END tools/tune.py shared-row chunks
+
+
+def tuned_chunk(x):
+    """The chunk (elements per program) that the sweep measured fastest for x's dtype and row length, or
+    None where lesson 02's registers kernel was faster."""
+    N = x.shape[1]
+    length = next((n for n in SHARED_LENGTHS if N <= n), SHARED_LENGTHS[-1])
+    return SHARED_CHUNKS[("float32" if x.dtype == torch.float32 else "bfloat16", length)]
 
 
 def long_softmax(x):
-    """Lesson 02's long_softmax, with the 16-bit rows that it gives to split-row programs held in shared
-    memory where this kernel can run."""
+    """Lesson 02's long_softmax, with the rows that it gives to split-row programs held in shared memory
+    where this kernel can run and the sweep measured it faster."""
     LONG.check_input(x)
-    if x.shape[1] > LONG.ROW_ON_CHIP_LIMIT and x.dtype in SHARED_DTYPES and shared_unsupported(x) is None:
-        return shared_split_row_softmax(x)
+    if x.shape[1] > LONG.ROW_ON_CHIP_LIMIT and shared_unsupported(x) is None and tuned_chunk(x) is not None:
+        return shared_split_row_softmax(x, tuned_chunk(x))
     return LONG.long_softmax(x)
 
 
@@ -402,13 +424,14 @@ if __name__ == "__main__":
 # %%
 # Benchmark
 # ---------
-# :math:`M = 4096` rows of 32K to 256K elements in GB/s: the shared-memory kernel, this lesson's
-# ``long_softmax`` (the kernel it picks for the dtype), lesson 02's split-row kernel (which lesson
-# 02's ``long_softmax`` runs from 32,769 columns on), ``torch.softmax`` and ``torch.compile``, with
-# lesson 01's harness. A copy of the same tensor measured in the same rounds gives the ceiling for
-# each case; the device's copy bandwidth of the other lessons is printed too. Without a Hopper GPU
-# there is no Gluon kernel to time: under the interpreter, a few rows past lesson 02's row-on-chip
-# limit time ``long_softmax``'s fallback beside ``torch.softmax``.
+# :math:`M = 4096` rows of 32K to 256K elements in GB/s: the shared-memory kernel with its default
+# chunk, this lesson's ``long_softmax`` (the kernel and chunk its table picks for the case), lesson
+# 02's split-row kernel (which lesson 02's ``long_softmax`` runs from 32,769 columns on),
+# ``torch.softmax`` and ``torch.compile``, with lesson 01's harness. A copy of the same tensor
+# measured in the same rounds gives the ceiling for each case; the device's copy bandwidth of the
+# other lessons is printed too. Without a Hopper GPU there is no Gluon kernel to time: under the
+# interpreter, a few rows past lesson 02's row-on-chip limit time ``long_softmax``'s fallback beside
+# ``torch.softmax``.
 
 SHARED = "split row, shared memory (Gluon)"
 CHOICE = "long_softmax (default path)"
@@ -461,16 +484,18 @@ table.rename(columns=lambda name: f"{name} [GB/s]").round(1 if ON_GPU else 3) if
 # What the numbers say
 # --------------------
 # Computed from the speeds above: each kernel as a share of the same-size copy, and on Hopper the
-# shared-memory kernel against the registers kernel and against the best PyTorch peer.
+# shared-memory kernel against the registers kernel, and ``long_softmax`` against the best PyTorch
+# peer.
 
 if __name__ == "__main__":
     peers = [name for name in ("torch.softmax", "torch.compile") if name in table.columns]
     for (dtype, N), row in table.iterrows():
         copy = row[FUSED.SAME_SIZE_COPY]
         if reason is None:
-            print(f"{dtype:>8s} N = {N:>6d}: shared {row[SHARED] / copy:.1%} of the same-size copy, registers "
-                  f"{row[REGISTERS] / copy:.1%}; shared / registers {row[SHARED] / row[REGISTERS]:.2f}x, "
-                  f"/ best PyTorch peer {row[SHARED] / row[peers].max():.2f}x")
+            print(f"{dtype:>8s} N = {N:>6d}: of the same-size copy, long_softmax {row[CHOICE] / copy:.1%}, shared "
+                  f"{row[SHARED] / copy:.1%}, registers {row[REGISTERS] / copy:.1%}; shared / registers "
+                  f"{row[SHARED] / row[REGISTERS]:.2f}x, long_softmax / best PyTorch peer "
+                  f"{row[CHOICE] / row[peers].max():.2f}x")
         else:
             print(f"{dtype:>8s} N = {N:>6d}: long_softmax (lesson 02's fallback here) {row[CHOICE] / copy:.2g}x the "
                   f"same-size copy, {row[CHOICE] / row[peers].max():.2g}x torch.softmax")
@@ -491,9 +516,9 @@ if __name__ == "__main__":
 # each SM, beside the speed as a share of a same-size copy timed in the same rounds. Bytes per SM
 # are not the only term: the smaller the chunk, the more programs share a row and wait for its
 # slowest one (64 of them at 4K elements), and the larger the chunk, the fewer programs an SM runs to
-# cover one another's waits. The last lines compare points at equal bytes per SM, and the default
-# chunk (16 KiB, chosen over 65,536 to 262,144 columns in an H100 probe: engineering notes) with the
-# fastest one at this length.
+# cover one another's waits. The last lines compare points at equal bytes per SM, and the chunk that
+# ``SHARED_CHUNKS`` holds for this length (measured before this build, by the sweep) with the fastest
+# one in this run.
 
 if __name__ == "__main__" and reason is None:
     import matplotlib.pyplot as plt
@@ -526,9 +551,10 @@ if __name__ == "__main__" and reason is None:
         same = sorted((share, name) for k, share, name in points if k == kib)
         if len(same) > 1:
             print(f"At {kib:.0f} KiB per SM: " + ", ".join(f"{name} {share:.1%}" for share, name in same))
-    default = f"shared, {SHARED_CHUNK_BYTES // 2} per program"
+    tuned = SHARED_CHUNKS[("bfloat16", N)]
     best = max(points, key=lambda point: point[1])
-    print(f"The default chunk, {default}: {ms['copy'] / ms[default]:.1%}; the fastest here, {best[2]}: {best[1]:.1%}")
+    print(f"The table's choice at this length: {f'shared, {tuned} per program' if tuned else 'lesson 02'}; the fastest "
+          f"here: {best[2]} at {best[1]:.1%}")
     fig, ax = plt.subplots(figsize=(8, 4.2))
     for kib, share, name in points:
         registers = "registers" in name
