@@ -75,9 +75,9 @@ def test_strided_rows_and_columns(name, rng):
 @pytest.mark.parametrize("name", KERNELS)
 @pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
 def test_numerically_stable(name, dtype, rng):
-    big = torch.finfo(dtype).max / 2
+    big = torch.finfo(dtype).max
     x = torch.randn(6, 203, generator=rng) * 30
-    x[0, 5] = big  # one huge value: exp would overflow without subtracting the max
+    x[0, 5] = big  # the largest finite value: exp would overflow without subtracting the max, and so would x * log2(e)
     x[1] -= 1e4  # a very negative row
     x[2, ::3] = -float("inf")  # masked-out logits
     x[3, 1:] = -float("inf")  # all but one
@@ -619,9 +619,19 @@ def test_check_split_row_accepts_a_correct_solution(capsys):
     assert "passed on 15 fresh inputs" in capsys.readouterr().out
 
 
+def _unguarded_split_row(x, chunk=1024):
+    """Split-row softmax in PyTorch that forgets the guard for a chunk of only -inf: NaN from e^(-inf - -inf)."""
+    chunks = x.float().split(chunk, dim=1)
+    maxes = [c.amax(dim=1, keepdim=True) for c in chunks]
+    row_max = torch.cat(maxes, dim=1).amax(dim=1, keepdim=True)
+    total = sum(torch.exp(c - m).sum(dim=1, keepdim=True) * torch.exp(m - row_max) for c, m in zip(chunks, maxes))
+    return (torch.exp(x.float() - row_max) / total).to(x.dtype)
+
+
 @pytest.mark.parametrize("wrong", [lambda x: torch.softmax(x, dim=0),
-                                   lambda x: torch.softmax(x, dim=1) * torch.where(x == x.amax(), float("nan"), 1.0)],
-                         ids=["softmax over columns", "NaN at the maximum"])
+                                   lambda x: torch.softmax(x, dim=1) * torch.where(x == x.amax(), float("nan"), 1.0),
+                                   _unguarded_split_row],
+                         ids=["softmax over columns", "NaN at the maximum", "a chunk of only -inf"])
 def test_check_split_row_rejects_a_wrong_solution(wrong):
     with pytest.raises(AssertionError, match="your split-row softmax on"):
         LESSON_08.check_split_row(wrong)

@@ -15,8 +15,10 @@ You will learn:
   shared memory, counted in bytes per SM;
 * how to copy global memory into shared memory without passing through registers (``cp.async``)
   in Gluon, and when the compiler refuses to;
+* how to keep the copies in flight while the program computes: the maximum and the sum in one
+  pass, each piece used as soon as it lands, and the next row's copy started as this row leaves;
 * a pitfall: read the same shared memory twice and the compiler may keep the first read's values
-  in registers; a barrier between the passes stops it;
+  in registers; a barrier between the reads stops it;
 * how many programs fit on an SM at once (registers, threads, shared memory, and the 1 KiB that
   CUDA reserves per program), and why a kernel whose programs wait for each other must not count
   one too many;
@@ -107,10 +109,11 @@ FUSED = LONG.FUSED
 # The kernel below copies its chunk straight from global memory into shared memory with
 # ``cp.async``, Ampere's asynchronous copy: a copy in flight needs no destination registers, as a
 # plain load does. It then reads the chunk back a *piece* at a time (2,048 elements, 16 per thread of
-# its 4 warps), three times: for the maximum, for the sum, and, after the wait, to normalize and write
-# the output. What waits through the wait is in shared memory; the registers hold a piece's worth of
-# fp32 values and the bookkeeping around them. The picture shows one program's path among the
-# :math:`S` programs of a row; it is a diagram, not a measurement.
+# its 4 warps), twice: for the maximum and the sum, and, after the wait, to normalize and write the
+# output. What waits through the wait is in shared memory; the registers hold a piece's worth of
+# fp32 values and the bookkeeping around them. As each piece is written out, its space takes the
+# copy of the program's next row. The picture shows one program's path among the :math:`S` programs
+# of a row; it is a diagram, not a measurement.
 
 
 def draw_data_path():
@@ -126,10 +129,10 @@ def draw_data_path():
     for x, y, w, h, color, label in boxes.values():
         ax.add_patch(Rectangle((x, y), w, h, facecolor=color, edgecolor="black"))
         ax.text(x + w / 2, y + h / 2, label, ha="center", va="center", fontsize=10)
-    arrows = [((2.2, 2.1), (3.2, 2.1), "-|>", "1. cp.async", (2.7, 2.25), "center"),
-              ((4.3, 1.6), (4.3, 1.0), "-|>", "read back for\n2. max, 3. sum,\n5. normalize", (4.2, 1.3), "right"),
-              ((5.4, 0.8), (6.8, 1.8), "<|-|>", "4. publish,\nwait, read all", (5.5, 1.75), "left"),
-              ((5.4, 0.3), (6.8, 0.3), "-|>", "5. write", (6.1, 0.45), "center")]
+    arrows = [((2.2, 2.1), (3.2, 2.1), "-|>", "1. cp.async\n(next row's:\nin step 4)", (2.7, 2.25), "center"),
+              ((4.3, 1.6), (4.3, 1.0), "-|>", "read back for\n2. max and sum,\n4. normalize", (4.2, 1.3), "right"),
+              ((5.4, 0.8), (6.8, 1.8), "<|-|>", "3. publish,\nwait, read all", (5.5, 1.75), "left"),
+              ((5.4, 0.3), (6.8, 0.3), "-|>", "4. write", (6.1, 0.45), "center")]
     for start, end, style, label, (tx, ty), align in arrows:
         ax.add_patch(FancyArrowPatch(start, end, arrowstyle=style, mutation_scale=14, color="black"))
         ax.text(tx, ty, label, fontsize=10, ha=align, va="center" if align == "right" else "bottom")
@@ -149,32 +152,50 @@ if __name__ == "__main__":
 # The kernel
 # ----------
 # The row's programs and their waiting are lesson 02's ``split_row_kernel``; what changes is where the
-# chunk lives.
+# chunk lives, and how the program keeps its copies in flight.
 #
 # * ``gl.allocate_shared_memory`` gives the program a buffer of ``CHUNK`` elements in the input's
-#   dtype. A plain layout (``SwizzledSharedLayout(1, 1, 1, [0])``) is enough: each thread reads
-#   back, in the same register layout, the elements it copied, so no two threads collide on a bank
-#   more than a plain copy does, and no thread needs another's copies: after ``wait_group`` there is
-#   no barrier to wait at.
+#   dtype, seen as rows of ``VEC`` elements (16 bytes), one row per thread per piece. A plain layout
+#   (``SwizzledSharedLayout(1, 1, 1, [1, 0])``) is enough: each thread reads back, in the same
+#   register layout, the elements it copied, so no two threads collide on a bank more than a plain
+#   copy does, and no thread needs another's copies.
 # * The copy is ``async_load`` from ``gluon.language.nvidia.ampere.async_copy`` (Triton 3.6 names it
 #   ``async_copy_global_to_shared``; later releases call it ``async_load`` and make the old name
-#   raise). Each thread issues 16-byte copies, ``commit_group`` closes the batch and
-#   ``wait_group(0)`` waits for this thread's copies to land. A program waits for its copies right
-#   away; the other programs on its SM keep the memory system busy meanwhile.
+#   raise). Each thread issues 16-byte copies, and ``commit_group`` closes each piece's copies into
+#   a group of their own. ``wait_group(n)`` waits until at most ``n`` of this thread's groups are
+#   still in flight, so ``wait_group(PIECES - 1 - p)`` waits for piece ``p`` alone: the program
+#   works on the first pieces while the last ones are still on their way.
+# * **One pass before the wait.** The maximum and the sum come from one read of each piece: every
+#   thread keeps a running maximum and a sum rescaled to it for each of its rows of ``VEC``
+#   elements, lesson 02's online softmax, and the combine step merges them at the end. That costs
+#   one exponential per thread-row per piece on top of one per element, and saves a whole read of
+#   the chunk and a barrier.
+# * **The next row's copy starts as this one leaves.** The output pass reads each piece once more,
+#   and as soon as a piece is read, its space takes the next row's copy of the same piece, so while
+#   the program normalizes and writes, its next chunk is already coming in; only the first row's
+#   copy starts cold.
 # * ``cp.async`` moves 4, 8 or 16 bytes, and the compiler must prove that each one is aligned.
 #   Triton compiles a variant of the kernel for each set of such facts it sees in a call, and knows
 #   that an integer argument is a multiple of 16 only in the variant for calls where it was one. For
 #   a 16-bit row length or row stride that is not, it can prove nothing wider than one 2-byte
 #   element, below the copy's 4 bytes, and refuses to compile it. The launcher then picks
 #   ``ASYNC=False`` (for every dtype, to keep one rule), which copies through registers:
-#   ``gl.load``, then a store to shared memory. In an H100 probe (engineering notes) that path ran at
-#   90% of a copy where ``cp.async`` ran at 92% to 93%.
-# * **The barrier between the passes.** The maximum pass and the sum pass read the same shared
-#   memory. Nothing is written in between, so the compiler may load each piece once and keep every
-#   value for the second pass, which brings back exactly the registers this lesson set out to save:
-#   compiled offline for sm_90a with Triton 3.9 (not this page's numbers), 16,384 bf16 elements per
-#   4 warps took 255 registers per thread without the barrier, 80 with it. The compiler must assume
-#   that a barrier changes shared memory, so it cannot reuse a value loaded before one.
+#   ``gl.load``, then a store to shared memory.
+# * **A pitfall: values kept from the first read.** The two passes read the same shared memory, and
+#   a compiler that sees nothing written in between may load each piece once and keep every value
+#   for the second pass, bringing back exactly the registers this lesson set out to save. An
+#   earlier version of this kernel, with separate passes for the maximum and the sum, did: compiled
+#   offline for sm_90a with Triton 3.9 (not this page's numbers), 16,384 bf16 elements per 4 warps
+#   took 255 registers per thread without a barrier between those passes, 80 with one. Here the
+#   barrier that orders the statistics' stores before the signal stands between the passes; the
+#   compiler must assume that a barrier changes shared memory, so it cannot reuse a value loaded
+#   before one.
+#
+# The engineering notes of this site give what each of the three steps measured on an H100 when it
+# was made, against an earlier version of this kernel with separate passes that waited for the whole
+# chunk and copied each row only once the row before was written: together, 1.6 to 2.6 points of a
+# same-size copy in bf16, and within a point either way in fp32. This page's benchmark measures the
+# result, not the steps.
 
 
 from triton.experimental import gluon  # noqa: E402
@@ -183,6 +204,18 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa:
 
 _copy_to_shared = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier  # named so since Triton 3.7
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def _fetch(piece_smem, src, mask, ASYNC: gl.constexpr):
+    """Start one piece's copy into shared memory: by cp.async, in a commit group of its own, or through
+    registers where the copy cannot be proved aligned."""
+    if ASYNC:
+        _copy_to_shared(piece_smem, src, mask=mask)
+        async_copy.commit_group()
+    else:
+        piece_smem.store(gl.load(src, mask=mask))
 
 
 @gluon.jit
@@ -191,43 +224,43 @@ def shared_split_row_kernel(x_ptr, y_ptr, stats_ptr, arrived_ptr, M, N, x_row_st
                             SPLITS_POW2: gl.constexpr, VEC: gl.constexpr, WARPS: gl.constexpr,
                             ASYNC: gl.constexpr):
     PIECES: gl.constexpr = CHUNK // PIECE
-    layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [WARPS], [0])  # VEC adjacent elements: 16 bytes
+    LINES: gl.constexpr = PIECE // VEC  # a piece as LINES x VEC: VEC adjacent elements (16 bytes) per thread-row
+    layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32, 1], [WARPS, 1], [1, 0])
+    lines: gl.constexpr = gl.SliceLayout(1, layout)
     stats_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-    chunk_smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [CHUNK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    chunk_smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [CHUNK // VEC, VEC],
+                                           gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     pid = gl.program_id(0)
     groups = gl.num_programs(0) // SPLITS
     split = pid % SPLITS
-    offs = gl.arange(0, PIECE, layout)
+    offs = gl.arange(0, LINES, lines)[:, None] * VEC + gl.arange(0, VEC, gl.SliceLayout(0, layout))[None, :]
     chunks = gl.arange(0, SPLITS_POW2, stats_layout)
+    first = (pid // SPLITS).to(gl.int64)
+    for p in gl.static_range(PIECES):  # the first row's copy; each later one starts in the row before's output pass
+        cols = split * CHUNK + p * PIECE + offs
+        _fetch(chunk_smem.slice(p * LINES, LINES), x_ptr + first * x_row_stride + cols * x_col_stride, cols < N,
+               ASYNC)
     for row in range(pid // SPLITS, M, groups):
         row64 = row.to(gl.int64)
+        # Per thread-row, a running maximum and a sum rescaled to it (lesson 02's online softmax). The scale to
+        # base 2 comes after the subtraction: a finite x times log2(e) can overflow.
+        m = gl.full([LINES], -float("inf"), gl.float32, lines)
+        d = gl.zeros([LINES], gl.float32, lines)
         for p in gl.static_range(PIECES):
-            cols = split * CHUNK + p * PIECE + offs
-            src = x_ptr + row64 * x_row_stride + cols * x_col_stride
             if ASYNC:
-                _copy_to_shared(chunk_smem.slice(p * PIECE, PIECE), src, mask=cols < N)
-            else:
-                chunk_smem.slice(p * PIECE, PIECE).store(gl.load(src, mask=cols < N))
-        if ASYNC:
-            async_copy.commit_group()
-            async_copy.wait_group(0)
-        m = gl.full([PIECE], -float("inf"), gl.float32, layout)
-        for p in gl.static_range(PIECES):
-            x = chunk_smem.slice(p * PIECE, PIECE).load(layout).to(gl.float32)
-            m = gl.maximum(m, gl.where(split * CHUNK + p * PIECE + offs < N, x, -float("inf")))
-        chunk_max = gl.max(m, axis=0)
-        _barrier()  # the sum pass reads shared memory again instead of values kept in registers
-        safe_max = gl.where(chunk_max == -float("inf"), 0.0, chunk_max)
-        d = gl.zeros([PIECE], gl.float32, layout)
-        for p in gl.static_range(PIECES):
-            x = chunk_smem.slice(p * PIECE, PIECE).load(layout).to(gl.float32)
+                async_copy.wait_group(PIECES - 1 - p)  # piece p has landed; the later ones may still be in flight
+            x = chunk_smem.slice(p * LINES, LINES).load(layout).to(gl.float32)
             x = gl.where(split * CHUNK + p * PIECE + offs < N, x, -float("inf"))
-            d += gl.exp2((x - safe_max) * 1.4426950408889634)
-        chunk_sum = gl.sum(d, axis=0)
+            m_new = gl.maximum(m, gl.max(x, axis=1))
+            safe = gl.where(m_new == -float("inf"), 0.0, m_new)
+            d = d * gl.exp2((m - safe) * LOG2E) + gl.sum(gl.exp2((x - safe[:, None]) * LOG2E), axis=1)
+            m = m_new
+        chunk_max = gl.max(m, axis=0)
+        chunk_sum = gl.sum(d * gl.exp2((m - gl.where(chunk_max == -float("inf"), 0.0, chunk_max)) * LOG2E), axis=0)
         stats = stats_ptr + (row64 * SPLITS + split) * 2
         gl.store(stats, chunk_max)
         gl.store(stats + 1, chunk_sum)
-        _barrier()  # every thread's stores are done before one thread signals
+        _barrier()  # every thread's stores are done before one thread signals (and the passes are kept apart)
         gl.atomic_add(arrived_ptr + row, 1, sem="release")
         while gl.atomic_add(arrived_ptr + row, 0, sem="acquire") < SPLITS:
             pass
@@ -235,13 +268,17 @@ def shared_split_row_kernel(x_ptr, y_ptr, stats_ptr, arrived_ptr, M, N, x_row_st
         maxes = gl.load(all_stats, mask=chunks < SPLITS, other=-float("inf"), volatile=True)
         sums = gl.load(all_stats + 1, mask=chunks < SPLITS, other=0.0, volatile=True)
         row_max = gl.max(maxes, axis=0)
-        inv_sum = 1.0 / gl.sum(sums * gl.exp2((maxes - row_max) * 1.4426950408889634), axis=0)
+        inv_sum = 1.0 / gl.sum(sums * gl.exp2((maxes - row_max) * LOG2E), axis=0)
+        following = row64 + groups
         for p in gl.static_range(PIECES):
             cols = split * CHUNK + p * PIECE + offs
-            x = chunk_smem.slice(p * PIECE, PIECE).load(layout).to(gl.float32)
-            y = gl.exp2((x - row_max) * 1.4426950408889634) * inv_sum
+            x = chunk_smem.slice(p * LINES, LINES).load(layout).to(gl.float32)
+            _fetch(chunk_smem.slice(p * LINES, LINES), x_ptr + following * x_row_stride + cols * x_col_stride,
+                   (cols < N) & (following < M), ASYNC)
+            y = gl.exp2((x - row_max) * LOG2E) * inv_sum
             gl.store(y_ptr + row64 * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
-        _barrier()  # cp.async does not wait for this thread's reads of the buffer; the barrier does
+    if ASYNC:
+        async_copy.wait_group(0)  # the copies after the last row, all masked off, are done before the program ends
 
 
 # %%
@@ -360,7 +397,7 @@ SHARED_CHUNKS = {
     ('bfloat16', 262144): 16384,
     ('float32', 65536): 4096,
     ('float32', 131072): 8192,
-    ('float32', 262144): 8192,
+    ('float32', 262144): 16384,
 }
 # END tools/tune.py shared-row chunks
 
@@ -576,12 +613,16 @@ elif __name__ == "__main__":
 # ``torch.testing.assert_close`` (so ``NaN`` fails), and raises ``AssertionError`` saying what is
 # wrong, or prints one line saying the function passed. Solutions are not given here.
 #
-# 1. **One pass for the chunk's statistics.** The kernel reads its chunk three times from shared
-#    memory. Merge the maximum pass and the sum pass into one that keeps, per lane, a running
-#    maximum and a rescaled running sum (lesson 02's online softmax), and merges the lanes at the
-#    end with the combine step. Check it, then time it against ``shared_split_row_softmax`` on
-#    :math:`4096 \times 262144` bf16 rows: does one read fewer of shared memory show, and how many
-#    exponentials does each element now cost?
+# 1. **One round trip fewer.** After its statistics, a program waits for three trips to the L2
+#    cache in a row: the release of its count, the polls of the row's count, and the read of every
+#    chunk's statistics. Drop the count: fill the statistics beforehand with a marker that no chunk
+#    publishes (not a sum of 0: a chunk whose logits are all :math:`-\infty` publishes that), store
+#    each chunk's maximum and sum together as one 64-bit value (two fp32 bit patterns packed into an
+#    ``int64``, so that no program can see one half without the other) with a releasing atomic
+#    exchange, and poll the row's statistics themselves until no marker is left. Check it (the
+#    check masks the first half of each input's last row), then time it against
+#    ``shared_split_row_softmax`` on :math:`4096 \times 65536` bf16 rows, where each program moves
+#    the fewest bytes per wait.
 # 2. **One bulk copy per chunk.** Hopper's TMA copies a whole box with one instruction from one
 #    thread (lesson 06 shows descriptors, ``mbarrier`` and ``async_copy_global_to_shared`` from
 #    ``gluon.language.nvidia.hopper.tma``). View a row of :math:`N` elements as an
@@ -596,6 +637,7 @@ def check_split_row(fn):
     for dtype in LONG.SUPPORTED_DTYPES:
         for M, N in [(1, 1), (3, 1000), (5, 4099), (7, 65536), (2, 70000)]:
             x = (torch.randn(M, N, device=DEVICE) * 10).to(dtype)
+            x[-1, : N // 2] = -float("inf")  # whole chunks of -inf, where the row is split
             x[0, ::5] = -float("inf")
             x[0, -1] = 0.0  # one finite logit per row: an all -inf row has no softmax
             LONG._expect_close("your split-row softmax", f"{M}x{N} {str(dtype)[6:]}", fn(x),
