@@ -565,7 +565,7 @@ def _ws_forward(q, k, v, o, lse, causal, sm_scale, programs=None):
 # Hopper.)
 
 # BEGIN tools/tune.py forward paths: written by the sweep; run it again rather than edit these lines.
-# N = 1024: tools/tune.py attention-paths, 2026-11-25, NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, Triton 3.6.0
+# N = 1024, 2048: tools/tune.py attention-paths, 2026-11-26, NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, Triton 3.6.0
 FORWARD_PATHS = V2.by_bucket({
     (64, False): ['gluon', 'gluon', 'gluon', 'gluon', 'gluon'],
     (64, True): ['portable', 'gluon', 'gluon', 'gluon', 'gluon'],

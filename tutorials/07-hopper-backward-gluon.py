@@ -453,12 +453,12 @@ def _ws_backward(q, k, v, do, lse, delta, causal, sm_scale):
 # can, and otherwise the two-pass backward.
 
 # BEGIN tools/tune.py backward paths: written by the sweep; run it again rather than edit these lines.
-# N = 1024: tools/tune.py attention-paths, 2026-11-25, NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, Triton 3.6.0
+# N = 1024, 2048: tools/tune.py attention-paths, 2026-11-26, NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, Triton 3.6.0
 BACKWARD_PATHS = V2.by_bucket({
-    (64, False): ['two-pass', 'gluon', 'gluon', 'gluon', 'gluon'],
+    (64, False): ['gluon', 'gluon', 'gluon', 'gluon', 'gluon'],
     (64, True): ['two-pass', 'two-pass', 'gluon', 'gluon', 'gluon'],
     (128, False): ['gluon', 'gluon', 'gluon', 'gluon', 'gluon'],
-    (128, True): ['two-pass', 'two-pass', 'gluon', 'gluon', 'gluon'],
+    (128, True): ['two-pass', 'gluon', 'gluon', 'gluon', 'gluon'],
 })
 # END tools/tune.py backward paths
 
