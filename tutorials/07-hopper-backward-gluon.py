@@ -148,7 +148,7 @@ if __name__ == "__main__":
 # * **Bulk reductions, not element atomics.** One ``red.global.add.f32`` per element of
 #   :math:`dQ` keeps the L2 cache busy with tiny transactions; a TMA reduction sends a whole tile.
 #   Triton 3.6's Gluon can emit the operation but has no Python name for it yet (later versions
-#   call it ``tma.async_atomic_add``), so the lesson defines the builtin itself, the way it
+#   call it ``tma.async_atomic_add``), so the lesson defines the builtin itself, the way lesson 06
 #   bridges ``async_load``'s two names.
 # * **A bank-conflict-free staging tile.** TMA reads the fp32 tile from shared memory in the
 #   swizzled layout that ``NVMMASharedLayout`` describes, whose rows may be at most 128 bytes: 32

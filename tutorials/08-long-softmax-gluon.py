@@ -111,8 +111,8 @@ FUSED = LONG.FUSED
 # plain load does. It then reads the chunk back a *piece* at a time (2,048 elements, 16 per thread of
 # its 4 warps), twice: for the maximum and the sum, and, after the wait, to normalize and write the
 # output. What waits through the wait is in shared memory; the registers hold a piece's worth of
-# fp32 values and the bookkeeping around them. As each piece is written out, its space takes the
-# copy of the program's next row. The picture shows one program's path among the :math:`S` programs
+# fp32 values and the bookkeeping around them. As soon as a piece has been read for the output, its
+# space takes the copy of the program's next row. The picture shows one program's path among the :math:`S` programs
 # of a row; it is a diagram, not a measurement.
 
 
@@ -155,21 +155,26 @@ if __name__ == "__main__":
 # chunk lives, and how the program keeps its copies in flight.
 #
 # * ``gl.allocate_shared_memory`` gives the program a buffer of ``CHUNK`` elements in the input's
-#   dtype, seen as rows of ``VEC`` elements (16 bytes), one row per thread per piece. A plain layout
-#   (``SwizzledSharedLayout(1, 1, 1, [1, 0])``) is enough: each thread reads back, in the same
-#   register layout, the elements it copied, so no two threads collide on a bank more than a plain
-#   copy does, and no thread needs another's copies.
+#   dtype, seen as rows of ``VEC`` elements (16 bytes). Call them *thread-rows*: each thread owns
+#   whole ones, 2 per piece in bf16 and 4 in fp32 (a piece of 2,048 elements over 128 threads). A
+#   plain layout (``SwizzledSharedLayout(1, 1, 1, [1, 0])``) is enough: each thread reads back, in
+#   the same register layout, the elements it copied, so no two threads collide on a bank more than
+#   a plain copy does.
 # * The copy is ``async_load`` from ``gluon.language.nvidia.ampere.async_copy`` (Triton 3.6 names it
 #   ``async_copy_global_to_shared``; later releases call it ``async_load`` and make the old name
 #   raise). Each thread issues 16-byte copies, and ``commit_group`` closes each piece's copies into
-#   a group of their own. ``wait_group(n)`` waits until at most ``n`` of this thread's groups are
-#   still in flight, so ``wait_group(PIECES - 1 - p)`` waits for piece ``p`` alone: the program
-#   works on the first pieces while the last ones are still on their way.
+#   a group of their own.
+# * **Each piece as it lands.** ``wait_group(n)`` waits until at most ``n`` of this thread's groups
+#   are still in flight, so ``wait_group(PIECES - 1 - p)`` waits for piece ``p`` and not the later
+#   ones: the program works on the first pieces while the last are still on their way. No thread
+#   reads another's copies, but the compiler does not know that: after each wait, and between each
+#   piece's read and the copy that overwrites it, it puts a barrier of all the program's threads
+#   (``bar.sync`` in the PTX), so each piece waits for its slowest thread.
 # * **One pass before the wait.** The maximum and the sum come from one read of each piece: every
 #   thread keeps a running maximum and a sum rescaled to it for each of its rows of ``VEC``
 #   elements, lesson 02's online softmax, and the combine step merges them at the end. That costs
-#   one exponential per thread-row per piece on top of one per element, and saves a whole read of
-#   the chunk and a barrier.
+#   one exponential per thread-row per piece (one for every 8 bf16 or 4 fp32 elements) on top of one
+#   per element, and saves a whole read of the chunk.
 # * **The next row's copy starts as this one leaves.** The output pass reads each piece once more,
 #   and as soon as a piece is read, its space takes the next row's copy of the same piece, so while
 #   the program normalizes and writes, its next chunk is already coming in; only the first row's
@@ -194,8 +199,8 @@ if __name__ == "__main__":
 # The engineering notes of this site give what each of the three steps measured on an H100 when it
 # was made, against an earlier version of this kernel with separate passes that waited for the whole
 # chunk and copied each row only once the row before was written: together, 1.6 to 2.6 points of a
-# same-size copy in bf16, and within a point either way in fp32. This page's benchmark measures the
-# result, not the steps.
+# same-size copy in bf16, and from 1.3 points less to 0.6 more in fp32. This page's benchmark
+# measures the result, not the steps.
 
 
 from triton.experimental import gluon  # noqa: E402
@@ -302,9 +307,11 @@ def shared_split_row_kernel(x_ptr, y_ptr, stats_ptr, arrived_ptr, M, N, x_row_st
 #
 # The compiler reports the first and third figures for the compiled kernel (``n_regs`` and
 # ``metadata.shared``). Lesson 02's launcher, whose kernel uses almost no shared memory, leaves out
-# the reserved kilobyte. Here it matters: 14 programs of 16 KiB chunks would fit in 228 KiB without
-# it, 13 with it. (The driver then sizes the SM's shared memory to the count the other limits allow;
-# Nsight Compute showed 200,704 bytes configured for the kernel with 16 KiB chunks.)
+# the reserved kilobyte. Here it can matter: 7 programs of 32 KiB chunks would fit in 228 KiB without
+# it, 6 with it. (The driver then sizes the SM's shared memory to the count the other limits allow:
+# for an earlier version of this kernel, which ran 10 programs of 16 KiB chunks per SM, Nsight
+# Compute showed 200,704 bytes configured: 10 times the program's shared memory and the reserve,
+# rounded up to the next size that the SM offers, 196 KiB.)
 
 SHARED_CHUNK_BYTES, SHARED_PIECE, SHARED_WARPS = 16384, 2048, 4
 MAX_PROGRAMS_PER_SM, RESERVED_SHARED_BYTES = 32, 1024
@@ -424,8 +431,9 @@ def long_softmax(x):
 # -----------
 # Against a float64 reference, values and gradients, at irregular shapes: rows shorter than a chunk,
 # rows that no chunk divides, split into up to 9 chunks of 1,024 elements so that the programs wait
-# for each other; row lengths that are multiples of 16 (copied by ``cp.async``) and ones that are
-# not (copied through registers), a strided view; in every supported dtype.
+# for each other, and rows of 65,552 elements in the default chunks (17 of them in fp32); row
+# lengths that are multiples of 16 (copied by ``cp.async``) and ones that are not (copied through
+# registers), a strided view; in every supported dtype.
 
 if __name__ == "__main__":
     torch.manual_seed(0)
@@ -546,9 +554,10 @@ if __name__ == "__main__":
 # each SM, beside the speed as a share of a same-size copy timed in the same rounds. Bytes per SM
 # are not the only term: the smaller the chunk, the more programs share a row and wait for its
 # slowest one (64 of them at 4K elements), and the larger the chunk, the fewer programs an SM runs to
-# cover one another's waits. The last lines compare points at equal bytes per SM, and the chunk that
-# ``SHARED_CHUNKS`` holds for this length (measured before this build, by the sweep) with the fastest
-# one in this run.
+# cover one another's waits. The last lines compare points at equal bytes per SM, give the best at
+# each amount, and set the chunk that ``SHARED_CHUNKS`` holds for this length (measured before this
+# build, by the sweep) beside the fastest one in this run. The chart gives each configuration as a
+# bar: programs per SM times bytes per program, and the speed.
 
 if __name__ == "__main__" and reason is None:
     import matplotlib.pyplot as plt
@@ -569,11 +578,12 @@ if __name__ == "__main__" and reason is None:
     held["registers (lesson 02)"] = (kernel, LONG.SPLIT_WARPS, LONG.SPLIT_BYTES)
     timers["registers (lesson 02)"] = functools.partial(FUSED.bench_ms, functools.partial(LONG.split_row_softmax, x))
     ms = FUSED.fastest_of_rounds(timers)
-    points = []
+    points, how_held = [], {}
     for name, (kernel, warps, chunk_bytes) in held.items():
         limits = program_limits(kernel, props, warps)
         per_sm, share = min(limits.values()), ms["copy"] / ms[name]
         points.append((per_sm * chunk_bytes / 1024, share, name))
+        how_held[name] = f"{per_sm} x {chunk_bytes // 1024} KiB = {per_sm * chunk_bytes // 1024} KiB per SM"
         print(f"{name:>26s}: {kernel.n_regs:3d} registers, {kernel.metadata.shared:5d} bytes of shared memory; "
               f"{per_sm:2d} programs per SM (by {min(limits, key=limits.get)}), {per_sm * chunk_bytes // 1024:3d} KiB "
               f"of the row per SM: {share:.1%} of the same-size copy")
@@ -581,25 +591,23 @@ if __name__ == "__main__" and reason is None:
         same = sorted((share, name) for k, share, name in points if k == kib)
         if len(same) > 1:
             print(f"At {kib:.0f} KiB per SM: " + ", ".join(f"{name} {share:.1%}" for share, name in same))
+    print("The best at each amount held per SM: " + ", ".join(
+        f"{kib:.0f} KiB {max(share for k, share, _ in points if k == kib):.1%}"
+        for kib in sorted({kib for kib, _, _ in points})))
     tuned = SHARED_CHUNKS[("bfloat16", N)]
     best = max(points, key=lambda point: point[1])
     print(f"The table's choice at this length: {f'shared, {tuned} per program' if tuned else 'lesson 02'}; the fastest "
           f"here: {best[2]} at {best[1]:.1%}")
-    fig, ax = plt.subplots(figsize=(8, 4.2))
-    for kib, share, name in points:
-        registers = "registers" in name
-        ax.plot(kib, 100 * share, "o", color="#e4a23c" if registers else "#3b7dd8",
-                label="lesson 02 (registers)" if registers else None)
-        label = "" if registers else name.split(", ")[1].replace(" per program", "")
-        below = any(k == kib and other > share for k, other, _ in points)  # two points at one x: one label each side
-        ax.annotate(label, (kib, 100 * share), textcoords="offset points", xytext=(7, -3 if below else 3),
-                    va="top" if below else "bottom", fontsize=10)
-    ax.plot([], [], "o", color="#3b7dd8", label="shared memory, elements per program as marked")
-    ax.axhline(100, color="black", linestyle="--", linewidth=1, label="same-size copy")
-    ax.set(xlabel="KiB of the row held per SM (programs per SM x bytes per program)", ylabel="% of same-size copy",
-           title=f"bf16 rows of {N} elements: speed against bytes held per SM",
-           xlim=(0, 1.2 * max(kib for kib, _, _ in points)), ylim=(0, 105))
-    ax.legend(loc="lower right")
+    points.sort()  # by KiB held per SM, then speed: from the bottom bar (least held) up
+    fig, ax = plt.subplots(figsize=(7, 0.6 * len(points) + 1.4))
+    for i, (kib, share, name) in enumerate(points):
+        ax.barh(i, 100 * share, color="#e4a23c" if "registers" in name else "#3b7dd8")
+        ax.text(100 * share - 1, i, f"{100 * share:.1f}%", ha="right", va="center", color="white", fontsize=11)
+        ax.text(2, i, how_held[name], ha="left", va="center", color="white", fontsize=11)
+    ax.set_yticks(range(len(points)), [name.replace(" per program", "") for _, _, name in points], fontsize=11)
+    ax.axvline(100, color="black", linestyle="--", linewidth=1)
+    ax.set(xlim=(0, 105), xlabel="% of a same-size copy (dashed: the copy)")
+    ax.set_title(f"bf16 rows of {N}: the row held per SM, and speed", fontsize=12)
     fig.tight_layout()
     plt.show()
 elif __name__ == "__main__":
@@ -621,11 +629,11 @@ elif __name__ == "__main__":
 #    ``int64``, so that no program can see one half without the other) with a releasing atomic
 #    exchange, and poll the row's statistics themselves until no marker is left. Check it (the
 #    check masks the first half of each input's last row), then time it against
-#    ``shared_split_row_softmax`` on :math:`4096 \times 65536` bf16 rows, where each program moves
-#    the fewest bytes per wait.
+#    ``shared_split_row_softmax`` with the same chunk at each length of the benchmark.
 # 2. **One bulk copy per chunk.** Hopper's TMA copies a whole box with one instruction from one
-#    thread (lesson 06 shows descriptors, ``mbarrier`` and ``async_copy_global_to_shared`` from
-#    ``gluon.language.nvidia.hopper.tma``). View a row of :math:`N` elements as an
+#    thread (lesson 06 shows tensor descriptors, ``mbarrier`` and the TMA load from
+#    ``gluon.language.nvidia.hopper``: ``tma.async_load``, called ``async_copy_global_to_shared``
+#    in Triton 3.6). View a row of :math:`N` elements as an
 #    :math:`(N / 256) \times 256` matrix, load each chunk as one box, and handle the rows whose
 #    length the view does not allow with the kernel above. Check it and measure whether fewer copy
 #    instructions move the speed.
