@@ -106,7 +106,9 @@ V2, FWD = load_sibling("05-fused-attention-v2"), load_sibling("06-hopper-forward
 #    out: registers to shared memory, then a *TMA reduction* (``cp.reduce.async.bulk``) adds the
 #    whole fp32 tile into global memory in one bulk operation, in the L2 cache, while the warps go on.
 #
-# The picture shows what each of the two groups holds and multiplies for one query block.
+# The picture shows what each of the two groups holds and multiplies for one query block, at
+# :math:`D = 128` (64 queries per block); the dashed lines in :math:`dQ` mark the 32-column boxes
+# that its TMA reductions send (the next section says why 32).
 
 
 def draw_split(keys=128, queries=64, D=128):
@@ -123,7 +125,8 @@ def draw_split(keys=128, queries=64, D=128):
                      va="center", fontsize=10, color="white")
         axes[2].add_patch(plt.Rectangle((g * D / 2, 0), D / 2, queries, color=colors[g]))
         axes[2].text(g * D / 2 + D / 4, queries / 2, f"group {g}:\ncolumns\n{g * D // 2}-{(g + 1) * D // 2 - 1}",
-                     ha="center", va="center", fontsize=10, color="white")
+                     ha="center", va="center", fontsize=10, color="white", zorder=3,
+                     bbox=dict(facecolor=colors[g], edgecolor="none", pad=1))
     for ax, (title, w, h, xl, yl) in zip(axes, [("accumulators", D, keys, "head dim", "key"),
                                                ("dS^T in shared memory", queries, keys, "query", "key"),
                                                ("dQ tile sent by TMA reduction", D, queries, "head dim", "query")]):
@@ -132,6 +135,9 @@ def draw_split(keys=128, queries=64, D=128):
         ax.set_xlabel(xl, fontsize=10)
         ax.set_ylabel(yl, fontsize=10)
         ax.tick_params(labelsize=10)
+    for column in range(32, D, 32):
+        axes[2].axvline(column, color="white", linestyle="--", linewidth=1.5)
+    fig.suptitle(f"D = {D}: {keys} keys per program, {queries} queries per block", fontsize=11)
     fig.tight_layout()
     return fig
 
@@ -157,7 +163,7 @@ if __name__ == "__main__":
 #   conflict on every store.
 # * **Registers.** A consumer thread holds :math:`dK` and :math:`dV` for 64 keys (128 registers at
 #   :math:`D = 128`), :math:`S^T` and :math:`dP^T` (64 more), and its :math:`dQ` columns (32), of
-#   the 240 that ``setmaxnreg`` gives it. Whatever does not fit spills to local memory (``ptxas
+#   the 240 that ``setmaxnreg`` gives it (lesson 06). Whatever does not fit spills to local memory (``ptxas
 #   -v`` reports the bytes). Four changes cut the spills: the loader also brings each query
 #   block's :math:`\mathrm{LSE}_2` and :math:`\Delta` into shared memory by TMA (no pointers,
 #   masks or index vectors in the consumers); :math:`P^T` is kept in 16 bits once :math:`dS^T` is
@@ -184,8 +190,9 @@ if __name__ == "__main__":
 #   causal mask the consumers first rearrange them into lesson 06's store layout, 8 adjacent values
 #   per thread: 16-byte, coalesced stores, the same bits, and 0.99x to 1.13x the speed of storing
 #   straight in an H100 probe (engineering notes, ``df96ead``; most at :math:`N = 1024`, where the
-#   stores weigh most). With the mask, the same change
-#   measured 8% to 12% slower at :math:`D = 128`, so there they are stored straight.
+#   stores weigh most). With the mask, the same change measured 8% to 12% slower at
+#   :math:`D = 128`, so with the mask they are stored straight at every head dimension (:math:`D =
+#   64` with the mask was not measured on its own).
 #
 # Where the TMA box crosses the end of the sequence, the loads fill zeros and the reductions skip
 # the rows past :math:`N`, so no query block needs a bounds mask. :math:`dQ` is summed in an fp32
@@ -751,7 +758,8 @@ elif __name__ == "__main__":
 # one (ours: :math:`\Delta`, zeroing and converting :math:`dQ`; both: autograd's additions into
 # ``.grad``). Where those take about as long as cuDNN's and our main kernel multiplies more slowly
 # than cuDNN's, the gap to cuDNN lies inside the main kernel, not in the launches around it.
-# Within the main kernel, the gap is not in its remaining spills. Two measurements from an H100 outside this build (the
+# Where the main kernel trails cuDNN's (the table above says where, in this run), the gap is not in
+# its remaining spills. Two measurements from an H100 outside this build (the
 # engineering notes, 2026-11-25), at :math:`D = 128`: a variant that makes :math:`dQ` in
 # 32-column pieces, one after the other, cut the local memory that spills take from 168 to 16
 # bytes per thread (104 to 8 with the mask) and ran 0.97x to 1.02x as fast as this kernel; and
