@@ -178,13 +178,11 @@ if __name__ == "__main__":
 #   from :math:`N = 2048` (the same at :math:`N = 1024`).
 # * **Overlap.** :math:`dK`'s product is issued after :math:`dQ`'s, so the wait for :math:`dQ`
 #   leaves it running while the tile is stored and sent.
-# * **Exponentials under a product.** :math:`S^T` and :math:`dP^T` are issued together, and
-#   ``warpgroup_mma_wait(1)`` waits for :math:`S^T` alone (the products finish in the order they
-#   were issued), so :math:`P^T`'s exponentials run while :math:`dP^T` is still on the tensor cores.
-#   In two H100 probes the kernel ran 1.01x to 1.05x as fast at :math:`D = 128` as when it waited
-#   for both; at :math:`D = 64`, 1.03x to 1.06x without the mask and 0.97x to 1.02x with it.
-#   Starting :math:`dV`'s product before the wait for :math:`dP^T` as well measured 0.88x to 1.01x,
-#   and was dropped.
+# * **Exponentials under a product.** ``warpgroup_mma_wait(1)`` waits for :math:`S^T` alone (products
+#   finish in the order they were issued), so :math:`P^T`'s exponentials run while :math:`dP^T` is
+#   still being multiplied: 1.01x to 1.05x the speed of waiting for both at :math:`D = 128` (two H100
+#   probes), 0.97x to 1.06x at :math:`D = 64`. Issuing :math:`dV`'s product before the second wait
+#   as well measured 0.88x to 1.01x, and was dropped.
 # * **Wide stores, where they pay.** ``wgmma`` leaves each thread pairs of adjacent values of
 #   :math:`dK` and :math:`dV`, so stores straight from its layout are 4 bytes wide. Without the
 #   causal mask the consumers first rearrange them into lesson 06's store layout, 8 adjacent values
