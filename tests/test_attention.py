@@ -524,6 +524,20 @@ def test_host_times_are_taken_in_turns_and_keep_the_fastest(monkeypatch):
     assert seen == ["a", "a'", "b"] * 2
 
 
+def test_the_sweep_takes_host_times_in_turns(monkeypatch):
+    """tools/tune.py times the host's cost of every short path once per round, in turn, keeps each one's
+    fastest, and gives the calls too long for the host to pace no host time."""
+    import tune
+
+    seen, times = [], iter([5.0, 3.0, 9.0, 4.0, 1.0, 2.0])
+    monkeypatch.setattr(HOPPER_FWD, "host_ms", lambda fn: (seen.append(fn()), next(times))[1])
+    measured = {("portable", "fwd"): [0.2, 0.3], ("gluon", "bwd"): [2.0, 2.1], ("gluon", "fwd"): [0.1]}
+    calls = {("portable", "fwd"): lambda: "portable", ("gluon", "fwd"): lambda: "gluon"}
+    assert tune.host_times(measured, calls) == {("portable", "fwd"): 1.0, ("gluon", "bwd"): 0.0,
+                                                ("gluon", "fwd"): 2.0}
+    assert seen == ["portable", "gluon"] * 3
+
+
 def test_exercise_schedule_accepts_balanced_answers():
     HOPPER_FWD.check_schedule(_pairs_schedule)
 

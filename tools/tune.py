@@ -177,6 +177,21 @@ def steadiest_of_the_fastest(cost, host, tied=PATH_TIED):
     return min(near, key=lambda path: (host[path], cost[path]))
 
 
+# A call's host time is a fraction of a millisecond: longer calls skip its measurement, which would wait
+# for hundreds of them.
+HOST_PACED_BELOW_MS = 1.0
+
+
+def host_times(measured, calls, rounds=3):
+    """{key: the host's ms to enqueue one call} for every key of `measured`: 0 for those without a call in
+    `calls` (calls too long for the host to pace); the others by lesson 06's interleaved_host_ms, in rounds
+    that take every call in turn, so that a slow spell of the host falls on all the paths alike. Timed one
+    path after another, a slow spell had once fallen on one path alone (348 us against 195 to 235 us in
+    the other runs) and picked the other backward."""
+    timed = load("06-hopper-forward-gluon").interleaved_host_ms(calls, rounds)
+    return {key: timed.get(key, 0.0) for key in measured}
+
+
 HEADS = {64: 32, 128: 16}  # B = 4, H * D = 2048, as in the lessons' benchmarks
 
 
@@ -212,16 +227,9 @@ def fastest_paths(D, causal, N):
     # host time; a user's back-to-back calls hide none. So a path costs the slower of its GPU time
     # and the host's time to enqueue one call: where the host paces the GPU (the shortest
     # lengths), the path that asks less of the host wins, on any build machine's processor.
-    # A call's host time is a fraction of a millisecond: longer calls skip the measurement, which
-    # would wait for hundreds of them.
-    host = {}
-    for (path, mode), ms in measured.items():
-        if min(ms) > 1.0:
-            host[path, mode] = 0.0
-        elif mode == "fwd":
-            host[path, mode] = FWD.host_ms(forwards[path])
-        else:
-            host[path, mode] = FWD.host_ms(V1.backward_call(backwards[path], q, k, v))
+    calls = {(path, mode): forwards[path] if mode == "fwd" else V1.backward_call(backwards[path], q, k, v)
+             for (path, mode), ms in measured.items() if min(ms) <= HOST_PACED_BELOW_MS}
+    host = host_times(measured, calls)
     cost = {key: max(min(ms), host[key]) for key, ms in measured.items()}
     forward = {path: ms for (path, mode), ms in cost.items() if mode == "fwd"}
     backward_times = {path: ms for (path, mode), ms in cost.items() if mode == "bwd"}
