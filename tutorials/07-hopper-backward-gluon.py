@@ -163,13 +163,13 @@ if __name__ == "__main__":
 #   conflict on every store.
 # * **Registers.** A consumer thread holds :math:`dK` and :math:`dV` for 64 keys (128 registers at
 #   :math:`D = 128`), :math:`S^T` and :math:`dP^T` (64 more), and its :math:`dQ` columns (32), of
-#   the 240 that ``setmaxnreg`` gives it (lesson 06). Whatever does not fit spills to local memory (``ptxas
-#   -v`` reports the bytes). Four changes cut the spills: the loader also brings each query
-#   block's :math:`\mathrm{LSE}_2` and :math:`\Delta` into shared memory by TMA (no pointers,
-#   masks or index vectors in the consumers); :math:`P^T` is kept in 16 bits once :math:`dS^T` is
-#   made; the causal mask's index vectors are made where they are used, not kept across the loop;
-#   and one loop handles the masked and the unmasked query blocks, with the mask behind a branch,
-#   since a second loop made the compiler spill in both.
+#   the 240 that ``setmaxnreg`` gives it (lesson 06). Whatever does not fit spills to local memory
+#   (``ptxas -v`` reports the bytes). Four changes cut the spills: the loader also brings each
+#   query block's :math:`\mathrm{LSE}_2` and :math:`\Delta` into shared memory by TMA (no
+#   pointers, masks or index vectors in the consumers); :math:`P^T` is kept in 16 bits once
+#   :math:`dS^T` is made; the causal mask's index vectors are made where they are used, not kept
+#   across the loop; and one loop handles the masked and the unmasked query blocks, with the mask
+#   behind a branch, since a second loop made the compiler spill in both.
 # * **Query blocks as large as the registers allow.** At :math:`D = 64`, :math:`dK` and
 #   :math:`dV` take half the registers they take at :math:`D = 128`, which leaves room for
 #   128-query tiles of :math:`S^T` and :math:`dP^T`: each exchange of :math:`dS^T`, each barrier
