@@ -370,6 +370,19 @@ def resolved_gradient(do):
 
 
 BLOCK = 64
+_compile_only = False  # True while compile_ahead (in the benchmark's section) runs
+
+
+def launch(kernel, grid, *args, **kwargs):
+    """kernel[grid](*args, **kwargs): the attention lessons launch through this, so that while compile_ahead
+    runs a launch only compiles the kernel, on one of Triton's worker threads, and runs nothing."""
+    if _compile_only:
+        return kernel.warmup(*args, grid=grid, **kwargs)
+    return kernel[grid](*args, **kwargs)
+
+
+def compiling_ahead():
+    return _compile_only
 
 
 class _AttentionV1(torch.autograd.Function):
@@ -381,8 +394,8 @@ class _AttentionV1(torch.autograd.Function):
         m = torch.empty_like(l)
         upcast = (not ON_GPU) and q.dtype == torch.bfloat16
         grid = (triton.cdiv(N, BLOCK), B * H)
-        attn_fwd_v1_kernel[grid](q, k, v, o, l, m, sm_scale, H, N, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-                                 D=D, BLOCK_M=BLOCK, BLOCK_N=BLOCK, CAUSAL=causal, UPCAST_DOT=upcast, num_warps=4)
+        launch(attn_fwd_v1_kernel, grid, q, k, v, o, l, m, sm_scale, H, N, *q.stride(), *k.stride(), *v.stride(),
+               *o.stride(), D=D, BLOCK_M=BLOCK, BLOCK_N=BLOCK, CAUSAL=causal, UPCAST_DOT=upcast, num_warps=4)
         ctx.save_for_backward(q, k, v, o, l, m)
         ctx.causal, ctx.sm_scale, ctx.upcast = causal, sm_scale, upcast
         return o
@@ -395,15 +408,14 @@ class _AttentionV1(torch.autograd.Function):
         B, H, N, D = q.shape
         do_scaled = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
         delta = torch.empty_like(l)
-        attn_bwd_preprocess_v1_kernel[(triton.cdiv(N, BLOCK), B * H)](
-            o, do, l, do_scaled, delta, H, N, *o.stride(), *do.stride(), D=D, BLOCK_M=BLOCK)
+        launch(attn_bwd_preprocess_v1_kernel, (triton.cdiv(N, BLOCK), B * H),
+               o, do, l, do_scaled, delta, H, N, *o.stride(), *do.stride(), D=D, BLOCK_M=BLOCK)
         dq = torch.zeros((B, H, N, D), dtype=torch.float32, device=q.device)
         dk = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
         dv = torch.empty_like(dk)
-        attn_bwd_v1_kernel[(B * H,)](q, k, v, do_scaled, dq, dk, dv, m, delta, ctx.sm_scale, H, N,
-                                     *q.stride(), *k.stride(), *v.stride(),
-                                     D=D, BLOCK_M=BLOCK, BLOCK_N=BLOCK, CAUSAL=ctx.causal, UPCAST_DOT=ctx.upcast,
-                                     num_warps=4 if D <= 64 else 8)
+        launch(attn_bwd_v1_kernel, (B * H,), q, k, v, do_scaled, dq, dk, dv, m, delta, ctx.sm_scale, H, N,
+               *q.stride(), *k.stride(), *v.stride(), D=D, BLOCK_M=BLOCK, BLOCK_N=BLOCK, CAUSAL=ctx.causal,
+               UPCAST_DOT=ctx.upcast, num_warps=4 if D <= 64 else 8)
         return dq.to(q.dtype), dk, dv, None, None
 
 
@@ -547,7 +559,10 @@ def warm_up(fn, seconds=0.05):
 def bench_ms(fn):
     """Time of fn() in milliseconds: do_bench's median on a GPU; under the interpreter the fastest of three
     wall-clock runs, since on a shared CPU other processes only ever add time (a test run building the
-    site beside its test processes once slowed one copy 30-fold)."""
+    site beside its test processes once slowed one copy 30-fold). While compile_ahead runs: one call, no time."""
+    if _compile_only:
+        fn()
+        return math.nan
     if ON_GPU:
         warm_up(fn)
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
@@ -558,6 +573,41 @@ def bench_ms(fn):
         fn()
         times.append(time.perf_counter() - start)
     return 1e3 * min(times)
+
+
+# Triton compiles a kernel the first time a launch meets a new specialization of it (a
+# configuration, a dtype, an integer that is or is not a multiple of 16), one kernel after another
+# on one CPU core: 8 s of lesson 04, 41 s of lesson 05 and 78 s of lesson 06 in a cold run on an
+# H100's host (this site's engineering notes, 2026-11-26). Triton can compile on a pool of threads
+# instead (its ``AsyncCompileMode``, internal in Triton 3.6 and 3.9), for launches that only *warm
+# up* a kernel: compile it, run nothing. So before it times anything, the harness calls everything
+# it will time once, with every launch made through ``launch`` only compiling. A failed compilation
+# is left for the timed call to report.
+
+
+def compile_ahead(calls):
+    """(kernels, seconds): calls() run with launch() compiling on a pool of threads instead of launching, and
+    bench_ms calling once; (0, 0.0) without a GPU or without Triton's AsyncCompileMode."""
+    global _compile_only
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        return 0, 0.0
+    if not ON_GPU:
+        return 0, 0.0
+    from concurrent.futures import ThreadPoolExecutor
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(os.cpu_count()) as pool:
+        mode = AsyncCompileMode(pool, ignore_errors=True)
+        _compile_only = True
+        try:
+            with mode:  # leaving it waits for every compilation
+                calls()
+                kernels = len(mode.raw_futures)
+        finally:
+            _compile_only = False
+    return kernels, time.perf_counter() - start
 
 
 # Under the interpreter the ceiling is PyTorch's fp32 matmul on the CPU, which multiplies fp16 slowly.
@@ -667,26 +717,40 @@ def run_benchmark(cases, sizes, providers, modes, extra_timers=None):
 
     extra_timers(q, k, v, causal, D) may add {(provider, mode): timer} for variants that need more
     than fn(q, k, v)."""
+    def each_case():
+        for B, H, D in cases:
+            for causal in (False, True):
+                for N in sizes:
+                    q, k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16, requires_grad=True)
+                               for _ in range(3))
+                    timers = {}
+                    for name, fn in providers(causal, D).items():
+                        if "fwd" in modes:
+                            timers[name, "fwd"] = functools.partial(bench_ms, functools.partial(fn, q, k, v))
+                        if "bwd" in modes:
+                            timers[name, "bwd"] = functools.partial(backward_ms, fn, q, k, v)
+                    if extra_timers is not None:
+                        timers.update(extra_timers(q, k, v, causal, D))
+                    yield D, causal, N, 4 * B * H * N * N * D * (0.5 if causal else 1.0), timers
+                    del q, k, v, timers
+
+    def call_each_once():
+        for *_, timers in each_case():
+            for timer in timers.values():
+                try:
+                    timer()
+                except RuntimeError:  # a backend that does not support this case: the timings report it
+                    pass
+
+    kernels, seconds = compile_ahead(call_each_once)
+    if kernels:
+        print(f"Compiled ahead: {kernels} kernels, on {os.cpu_count()} threads, in {seconds:.1f} s")
     rows = []
-    for B, H, D in cases:
-        for causal in (False, True):
-            for N in sizes:
-                q, k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16, requires_grad=True)
-                           for _ in range(3))
-                flops = 4 * B * H * N * N * D * (0.5 if causal else 1.0)
-                timers = {}
-                for name, fn in providers(causal, D).items():
-                    if "fwd" in modes:
-                        timers[name, "fwd"] = functools.partial(bench_ms, functools.partial(fn, q, k, v))
-                    if "bwd" in modes:
-                        timers[name, "bwd"] = functools.partial(backward_ms, fn, q, k, v)
-                if extra_timers is not None:
-                    timers.update(extra_timers(q, k, v, causal, D))
-                for (name, mode), ms in measure_in_rounds(timers, f"D={D}, N={N}, causal={causal}").items():
-                    work = flops * (2.5 if mode == "bwd" else 1.0)
-                    rows.append(dict(D=D, causal=causal, N=N, mode=mode, provider=name, value=work / min(ms) * 1e-9,
-                                     spread=max(ms) / min(ms) - 1))
-                del q, k, v
+    for D, causal, N, flops, timers in each_case():
+        for (name, mode), ms in measure_in_rounds(timers, f"D={D}, N={N}, causal={causal}").items():
+            work = flops * (2.5 if mode == "bwd" else 1.0)
+            rows.append(dict(D=D, causal=causal, N=N, mode=mode, provider=name, value=work / min(ms) * 1e-9,
+                             spread=max(ms) / min(ms) - 1))
     return rows
 
 

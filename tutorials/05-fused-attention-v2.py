@@ -738,20 +738,22 @@ def plan_key(*tensors):
 def launch_planned(key, kernel, grid, fresh, args, constexprs, **options):
     """kernel[grid](*args, **constexprs, **options): through Triton's JIT the first time this launch is seen,
     then through the plan it leaves. The call site promises that key (plan_key of the inputs) fixes the
-    arguments after the first fresh; the kernel, the grid, the constexprs and the options complete the key."""
-    if key is not None:
-        key = (kernel, key, grid, *constexprs.values(), *options.values())
+    arguments after the first fresh; the kernel, the grid, the constexprs and the options complete the key.
+    Lesson 04's launch() does the rest, and while its compile_ahead runs, only compiles."""
+    if key is None or V1.compiling_ahead():
+        V1.launch(kernel, grid, *args, **constexprs, **options)
+        return
+    key = (kernel, key, grid, *constexprs.values(), *options.values())
     replay = PLANS.get(key)
     if replay is not None:
         replay(*args[:fresh])
         return
     compiled = kernel[grid](*args, **constexprs, **options)
-    if key is not None:
-        rest = (*args[fresh:], *(constexprs[name] for name in kernel.arg_names[len(args):]))
-        run = compiled[(*grid, 1, 1)[:3]]
-        if len(PLANS) >= 1024:  # a caller whose lengths keep changing would otherwise grow it without end
-            PLANS.clear()
-        PLANS[key] = lambda *values: run(*values, *rest)
+    rest = (*args[fresh:], *(constexprs[name] for name in kernel.arg_names[len(args):]))
+    run = compiled[(*grid, 1, 1)[:3]]
+    if len(PLANS) >= 1024:  # a caller whose lengths keep changing would otherwise grow it without end
+        PLANS.clear()
+    PLANS[key] = lambda *values: run(*values, *rest)
 
 
 def _launch(kernel, name, key, case, grid, fresh, *args, **meta):
@@ -762,7 +764,7 @@ def _launch(kernel, name, key, case, grid, fresh, *args, **meta):
     else:
         config = TUNED_CONFIGS.get((name, *case)) if case else None
     if config is None:
-        TUNERS[name][lambda m: grid(m["BLOCK_M"], m["BLOCK_N"])](*args, **meta)
+        V1.launch(TUNERS[name], lambda m: grid(m["BLOCK_M"], m["BLOCK_N"]), *args, **meta)
     else:
         block_m, block_n, warps, stages = config
         launch_planned(key, kernel, grid(block_m, block_n), fresh, args,
