@@ -256,6 +256,46 @@ def test_shared_split_row_shares_rows_between_programs_on_hopper(N, chunk, dtype
     check(LESSON_08.long_softmax, x)
 
 
+def launch_grids(kernel, make_args, count, num_warps):
+    """Launch kernel cooperatively with the largest grid that count (programs the GPU holds) allows, then with one
+    group of SPLITS more: the first must run and give the softmax, the second must be refused, not hang."""
+    for extra, runs in ((0, True), (1, False)):
+        x, y, args, meta = make_args()
+        programs = (count(args, meta) // meta["SPLITS"] + extra) * meta["SPLITS"]
+        launch = lambda: kernel[(programs,)](*args, **meta, num_warps=num_warps, **LESSON_02.COOPERATIVE)  # noqa: E731
+        if runs:
+            launch()
+            torch.testing.assert_close(y.double(), torch.softmax(x.double(), dim=1), rtol=TOLERANCE[x.dtype], atol=0)
+        else:
+            with pytest.raises(RuntimeError, match="cooperative"):
+                launch()
+    torch.cuda.synchronize()  # the refused launch left the GPU usable
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a cooperative launch needs a GPU")
+def test_split_row_counts_exactly_the_programs_the_gpu_holds():
+    def make_args():
+        x = torch.randn(1024, 65536, device="cuda", dtype=torch.bfloat16)
+        return x, *LESSON_02._split_row_args(x, LESSON_02.SPLIT_BYTES // 2)
+
+    warps = LESSON_02.SPLIT_WARPS
+    launch_grids(LESSON_02.split_row_kernel, make_args,
+                 lambda args, meta: LESSON_02._programs_that_fit(args, meta, warps), warps)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the shared-memory kernel needs a Hopper GPU")
+@pytest.mark.parametrize("chunk", [4096, 8192, 32768])
+def test_shared_split_row_counts_exactly_the_programs_the_gpu_holds(chunk):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def make_args():
+        x = torch.randn(1024, 65536, device="cuda", dtype=torch.bfloat16)
+        return x, *LESSON_08._shared_args(x, chunk)
+
+    launch_grids(LESSON_08.shared_split_row_kernel, make_args,
+                 lambda args, meta: LESSON_08.compiled_kernel(args, meta)[1] * sms, LESSON_08.SHARED_WARPS)
+
+
 BAD_INPUTS = [
     (lambda: [[1.0, 2.0]], TypeError, "torch.Tensor"),
     (lambda: torch.randn(5), ValueError, "2-D"),

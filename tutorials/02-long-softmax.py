@@ -424,7 +424,10 @@ def row_on_chip_softmax(x):
 # * **Every program of a row must be running at the same time**, or the ones that wait spin
 #   forever on a chunk that never arrives. The launcher therefore compiles the kernel first, reads
 #   how many programs fit on the GPU at once (its occupancy) and launches no more than that. Each
-#   group of ``SPLITS`` programs then walks its share of the rows.
+#   group of ``SPLITS`` programs then walks its share of the rows. And it launches them
+#   *cooperatively* (``launch_cooperative_grid=True``): CUDA then starts all of them together, or
+#   refuses a grid too large for that with an error ("too many blocks in cooperative launch")
+#   instead of letting it hang.
 # * **Memory ordering.** The pair must be visible before the counter says it is. The increment is
 #   an atomic with *release* semantics, and the polling read an atomic with *acquire* semantics;
 #   the pairs are read back with ``volatile`` loads that bypass the SM's non-coherent L1 cache.
@@ -480,7 +483,7 @@ def _programs_that_fit(args, meta, num_warps):
     """How many programs of this kernel the GPU holds at once (all of them must run together)."""
     key = (args[0].device, args[0].dtype, tuple(sorted(meta.items())), num_warps)
     if key not in _resident:
-        kernel = split_row_kernel.warmup(*args, **meta, num_warps=num_warps, grid=(1,))
+        kernel = split_row_kernel.warmup(*args, **meta, num_warps=num_warps, grid=(1,), **COOPERATIVE)
         kernel._init_handles()
         props = torch.cuda.get_device_properties(args[0].device)
         threads = num_warps * 32
@@ -489,6 +492,11 @@ def _programs_that_fit(args, meta, num_warps):
                      props.shared_memory_per_multiprocessor // max(1, kernel.metadata.shared))
         _resident[key] = props.multi_processor_count * per_sm
     return _resident[key]
+
+
+# A cooperative launch: CUDA starts every program of the grid together, or refuses the launch with an error
+# where they cannot all be resident, instead of leaving the waiting programs to spin forever.
+COOPERATIVE = dict(launch_cooperative_grid=True)
 
 
 def _split_row_args(x, chunk):
@@ -517,7 +525,7 @@ def _split_row(x, chunk, num_warps):
             raise ValueError(f"a row of {N} elements needs {splits} programs at once, more than this GPU holds")
     else:
         groups = M
-    split_row_kernel[(groups * splits,)](*args, **meta, num_warps=num_warps)
+    split_row_kernel[(groups * splits,)](*args, **meta, num_warps=num_warps, **COOPERATIVE)
     return y
 
 
@@ -705,7 +713,7 @@ if __name__ == "__main__" and ON_GPU:
     for dtype in dtypes:
         x = torch.empty(M, sizes[-1], device=DEVICE, dtype=dtype)
         y, args, meta = _split_row_args(x, SPLIT_BYTES // x.element_size())
-        compiled = split_row_kernel.warmup(*args, **meta, num_warps=SPLIT_WARPS, grid=(1,))
+        compiled = split_row_kernel.warmup(*args, **meta, num_warps=SPLIT_WARPS, grid=(1,), **COOPERATIVE)
         compiled._init_handles()
         per_sm = _programs_that_fit(args, meta, SPLIT_WARPS) // sms
         speed = table.loc[(str(dtype).split(".")[1], sizes[-1]), "split row (one pass, shared)"]

@@ -243,8 +243,8 @@ def shared_split_row_kernel(x_ptr, y_ptr, stats_ptr, arrived_ptr, M, N, x_row_st
     first = (pid // SPLITS).to(gl.int64)
     for p in gl.static_range(PIECES):  # the first row's copy; each later one starts in the row before's output pass
         cols = split * CHUNK + p * PIECE + offs
-        _fetch(chunk_smem.slice(p * LINES, LINES), x_ptr + first * x_row_stride + cols * x_col_stride, cols < N,
-               ASYNC)
+        _fetch(chunk_smem.slice(p * LINES, LINES), x_ptr + first * x_row_stride + cols * x_col_stride,
+               (cols < N) & (first < M), ASYNC)  # a grid with more groups than rows leaves some without one
     for row in range(pid // SPLITS, M, groups):
         row64 = row.to(gl.int64)
         # Per thread-row, a running maximum and a sum rescaled to it (lesson 02's online softmax). The scale to
@@ -290,11 +290,13 @@ def shared_split_row_kernel(x_ptr, y_ptr, stats_ptr, arrived_ptr, M, N, x_row_st
 # How many programs fit
 # ---------------------
 # Every program of a row must run at the same time, or the ones that wait spin forever (lesson 02).
-# So the launcher starts no more programs than the GPU holds at once: count one too many and a row's
-# last program waits for a free SM that never comes. (CUDA promises that all programs run together
-# only to a *cooperative* launch, which Triton does not make; like lesson 02's, this kernel relies on
-# a count within the limits, on a GPU that runs nothing else.) An SM runs as many programs as the
-# tightest of its limits allows:
+# So the launcher starts no more programs than the GPU holds at once. CUDA promises that all programs
+# run together only to a *cooperative* launch (``launch_cooperative_grid=True``, which lesson 02's
+# launcher and this one pass to Triton), and it refuses a grid too large for that with an error, where
+# a plain launch of one program too many would leave a row's last program waiting for an SM that never
+# frees. So the count must be exact: too low leaves room on the SMs unused, too high is refused. The
+# correctness section below launches the largest grid it allows, and one group more. An SM runs as
+# many programs as the tightest of its limits allows:
 #
 # * **registers**: ``regs_per_multiprocessor`` (65,536 on Hopper) over registers per thread times
 #   threads per program, where registers are handed out in blocks of 256 per warp, so a thread's
@@ -354,7 +356,7 @@ def compiled_kernel(args, meta):
     """The kernel compiled for these arguments, with the programs per SM it allows: (kernel, per SM)."""
     key = (args[0].device, args[0].dtype, tuple(sorted(meta.items())))
     if key not in _compiled:
-        kernel = shared_split_row_kernel.warmup(*args, **meta, num_warps=SHARED_WARPS, grid=(1,))
+        kernel = shared_split_row_kernel.warmup(*args, **meta, num_warps=SHARED_WARPS, grid=(1,), **LONG.COOPERATIVE)
         kernel._init_handles()
         props = torch.cuda.get_device_properties(args[0].device)
         _compiled[key] = kernel, programs_per_sm(kernel, props, SHARED_WARPS)
@@ -368,7 +370,7 @@ def _shared_split_row(x, chunk):
     groups = min(M, per_sm * torch.cuda.get_device_properties(x.device).multi_processor_count // splits)
     if groups == 0:
         raise ValueError(f"a row of {x.shape[1]} elements needs {splits} programs at once, more than this GPU holds")
-    shared_split_row_kernel[(groups * splits,)](*args, **meta, num_warps=SHARED_WARPS)
+    shared_split_row_kernel[(groups * splits,)](*args, **meta, num_warps=SHARED_WARPS, **LONG.COOPERATIVE)
     return y
 
 
@@ -458,6 +460,24 @@ if __name__ == "__main__":
                 grad = leaf.grad[:, 24:] if strided else leaf.grad
                 torch.testing.assert_close(grad.double(), x64.grad, rtol=tol, atol=tol * dy.abs().max().item())
             print(f"{str(dtype)[6:]:>8s}: values and gradients match float64 at 5 shapes")
+
+# %%
+# The count of programs against CUDA's: the largest grid it allows for bf16 rows of 65,536 elements in
+# chunks of 8,192, launched cooperatively, then one group more.
+
+if __name__ == "__main__" and reason is None:
+    x = torch.randn(1024, 65536, device=DEVICE, dtype=torch.bfloat16)
+    for extra in (0, 1):
+        y, args, meta = _shared_args(x, 8192)
+        per_sm = compiled_kernel(args, meta)[1]
+        programs = (per_sm * torch.cuda.get_device_properties(DEVICE).multi_processor_count // meta["SPLITS"]
+                    + extra) * meta["SPLITS"]
+        try:
+            shared_split_row_kernel[(programs,)](*args, **meta, num_warps=SHARED_WARPS, **LONG.COOPERATIVE)
+            right = torch.allclose(y.double(), torch.softmax(x.double(), dim=1), rtol=LONG.TOLERANCE[x.dtype], atol=0)
+            print(f"{programs} programs ({per_sm} per SM by the count): launched, softmax right: {right}")
+        except RuntimeError as error:
+            print(f"{programs} programs, one group of {meta['SPLITS']} more: refused ({error})")
 
 # %%
 # Benchmark
@@ -573,7 +593,7 @@ if __name__ == "__main__" and reason is None:
         timers[f"shared, {chunk} per program"] = functools.partial(
             FUSED.bench_ms, functools.partial(shared_split_row_softmax, x, chunk))
     _, args, meta = LONG._split_row_args(x, LONG.SPLIT_BYTES // 2)
-    kernel = LONG.split_row_kernel.warmup(*args, **meta, num_warps=LONG.SPLIT_WARPS, grid=(1,))
+    kernel = LONG.split_row_kernel.warmup(*args, **meta, num_warps=LONG.SPLIT_WARPS, grid=(1,), **LONG.COOPERATIVE)
     kernel._init_handles()
     held["registers (lesson 02)"] = (kernel, LONG.SPLIT_WARPS, LONG.SPLIT_BYTES)
     timers["registers (lesson 02)"] = functools.partial(FUSED.bench_ms, functools.partial(LONG.split_row_softmax, x))
