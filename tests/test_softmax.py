@@ -283,6 +283,12 @@ def test_split_row_counts_exactly_the_programs_the_gpu_holds():
                  lambda args, meta: LESSON_02._programs_that_fit(args, meta, warps), warps)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a cooperative launch needs a GPU")
+def test_split_row_counts_no_more_programs_per_sm_than_the_gpu_runs():
+    # 1 warp and a tiny chunk: registers, threads and shared memory would allow more than 32 programs per SM
+    check(lambda t: LESSON_02.split_row_softmax(t, chunk=64, num_warps=1), torch.randn(4096, 640))
+
+
 @pytest.mark.skipif(not ON_HOPPER, reason="the shared-memory kernel needs a Hopper GPU")
 @pytest.mark.parametrize("chunk", [4096, 8192, 32768])
 def test_shared_split_row_counts_exactly_the_programs_the_gpu_holds(chunk):

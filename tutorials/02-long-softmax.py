@@ -476,6 +476,12 @@ def split_row_kernel(x_ptr, y_ptr, stats_ptr, arrived_ptr, M, N, x_row_stride, x
 # `tools/tune.py split-row` on an H100. (bf16 with fp32's 8,192: 83% of a same-size copy at 65,536
 # columns, against 89% with 16,384.)
 SPLIT_BYTES, SPLIT_WARPS = 32768, 4
+# A cooperative launch: CUDA starts every program of the grid together, or refuses the launch with an error
+# where they cannot all be resident, instead of leaving the waiting programs to spin forever.
+COOPERATIVE = dict(launch_cooperative_grid=True)
+# Programs (thread blocks) an SM holds at most, by compute capability: 32 on the others from Volta to Hopper (the
+# CUDA programming guide's table of limits).
+MAX_PROGRAMS_PER_SM = {(7, 5): 16, (8, 6): 16, (8, 7): 16, (8, 9): 24}
 _resident = {}
 
 
@@ -487,16 +493,13 @@ def _programs_that_fit(args, meta, num_warps):
         kernel._init_handles()
         props = torch.cuda.get_device_properties(args[0].device)
         threads = num_warps * 32
-        per_sm = min(props.regs_per_multiprocessor // max(1, kernel.n_regs * threads),
+        regs = -(-kernel.n_regs // 8) * 8  # registers are handed out in blocks of 256 per warp
+        per_sm = min(props.regs_per_multiprocessor // max(1, regs * threads),
                      props.max_threads_per_multi_processor // threads,
-                     props.shared_memory_per_multiprocessor // max(1, kernel.metadata.shared))
+                     props.shared_memory_per_multiprocessor // max(1, kernel.metadata.shared),
+                     MAX_PROGRAMS_PER_SM.get((props.major, props.minor), 32))
         _resident[key] = props.multi_processor_count * per_sm
     return _resident[key]
-
-
-# A cooperative launch: CUDA starts every program of the grid together, or refuses the launch with an error
-# where they cannot all be resident, instead of leaving the waiting programs to spin forever.
-COOPERATIVE = dict(launch_cooperative_grid=True)
 
 
 def _split_row_args(x, chunk):
@@ -566,8 +569,9 @@ def long_softmax(x):
 
 if __name__ == "__main__":
     torch.manual_seed(0)
-    x = torch.randn(37, 5001, device=DEVICE) * 10
-    dy = torch.randn(37, 5001, device=DEVICE)
+    M = 2000 if ON_GPU else 37  # on a GPU more rows than groups of split-row programs: each group walks several
+    x = torch.randn(M, 5001, device=DEVICE) * 10
+    dy = torch.randn(M, 5001, device=DEVICE)
     x64 = x.double().requires_grad_()
     reference = torch.softmax(x64, dim=1)
     reference.backward(dy.double())
@@ -580,7 +584,7 @@ if __name__ == "__main__":
         y.backward(dy)
         torch.testing.assert_close(y.double(), reference.detach(), rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(leaf.grad.double(), x64.grad, rtol=1e-5, atol=1e-6)
-        print(f"{name:12s} 37x5001 fp32 vs float64: max abs error {(y.double() - reference).abs().max().item():.2e}, "
+        print(f"{name:12s} {M}x5001 fp32 vs float64: max abs error {(y.double() - reference).abs().max().item():.2e}, "
               f"gradient {(leaf.grad.double() - x64.grad).abs().max().item():.2e}")
 
 # %%

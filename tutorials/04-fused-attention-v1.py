@@ -382,6 +382,7 @@ def launch(kernel, grid, *args, **kwargs):
 
 
 def compiling_ahead():
+    """Whether compile_ahead is running: lesson 05's launch plans must not keep what such a launch returns."""
     return _compile_only
 
 
@@ -463,6 +464,13 @@ def check_against_float64(attention_fn, q, k, v, causal, sm_scale, label, tolera
                                  f"(tolerance {tolerance:.0e}; non-finite values: "
                                  f"{(~torch.isfinite(got)).sum().item()})")
     return errors
+
+
+def forward_and_backward(attention_fn, q, k, v, causal, sm_scale):
+    """What check_against_float64 launches, without the check: to compile it ahead (compile_ahead, below)."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = attention_fn(q, k, v, causal, sm_scale)
+    out.backward(torch.randn_like(out))
 
 
 if __name__ == "__main__":
@@ -559,10 +567,7 @@ def warm_up(fn, seconds=0.05):
 def bench_ms(fn):
     """Time of fn() in milliseconds: do_bench's median on a GPU; under the interpreter the fastest of three
     wall-clock runs, since on a shared CPU other processes only ever add time (a test run building the
-    site beside its test processes once slowed one copy 30-fold). While compile_ahead runs: one call, no time."""
-    if _compile_only:
-        fn()
-        return math.nan
+    site beside its test processes once slowed one copy 30-fold)."""
     if ON_GPU:
         warm_up(fn)
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
@@ -586,8 +591,8 @@ def bench_ms(fn):
 
 
 def compile_ahead(calls):
-    """(kernels, seconds): calls() run with launch() compiling on a pool of threads instead of launching, and
-    bench_ms calling once; (0, 0.0) without a GPU or without Triton's AsyncCompileMode."""
+    """(kernels, seconds): calls() run with launch() compiling on a pool of threads instead of launching; (0, 0.0)
+    without a GPU or without Triton's AsyncCompileMode. The kernels are those not compiled in this process before."""
     global _compile_only
     try:
         from triton.runtime._async_compile import AsyncCompileMode
@@ -712,41 +717,39 @@ def measure_in_rounds(timers, label):
     return retime_disagreeing({key: ms for key, ms in times.items() if key[0] not in failed}, timers)
 
 
-def run_benchmark(cases, sizes, providers, modes, extra_timers=None):
+def run_benchmark(cases, sizes, providers, modes, extra_providers=None):
     """Rows of TFLOP/s: every provider of providers(causal, D) in each mode, at every case and size.
 
-    extra_timers(q, k, v, causal, D) may add {(provider, mode): timer} for variants that need more
-    than fn(q, k, v)."""
+    extra_providers(q, k, v, causal, D) may add {(provider, mode): fn(q, k, v)}: providers timed in one mode
+    only, or made from the case's inputs."""
     def each_case():
         for B, H, D in cases:
             for causal in (False, True):
                 for N in sizes:
                     q, k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16, requires_grad=True)
                                for _ in range(3))
-                    timers = {}
-                    for name, fn in providers(causal, D).items():
-                        if "fwd" in modes:
-                            timers[name, "fwd"] = functools.partial(bench_ms, functools.partial(fn, q, k, v))
-                        if "bwd" in modes:
-                            timers[name, "bwd"] = functools.partial(backward_ms, fn, q, k, v)
-                    if extra_timers is not None:
-                        timers.update(extra_timers(q, k, v, causal, D))
-                    yield D, causal, N, 4 * B * H * N * N * D * (0.5 if causal else 1.0), timers
-                    del q, k, v, timers
+                    calls = {(name, mode): fn for name, fn in providers(causal, D).items() for mode in modes}
+                    if extra_providers is not None:
+                        calls.update(extra_providers(q, k, v, causal, D))
+                    yield D, causal, N, 4 * B * H * N * N * D * (0.5 if causal else 1.0), (q, k, v), calls
+                    del q, k, v, calls
 
     def call_each_once():
-        for *_, timers in each_case():
-            for timer in timers.values():
+        for *_, qkv, calls in each_case():
+            for (name, mode), fn in calls.items():
                 try:
-                    timer()
+                    fn(*qkv) if mode == "fwd" else backward_call(fn, *qkv)()
                 except RuntimeError:  # a backend that does not support this case: the timings report it
                     pass
 
     kernels, seconds = compile_ahead(call_each_once)
     if kernels:
-        print(f"Compiled ahead: {kernels} kernels, on {os.cpu_count()} threads, in {seconds:.1f} s")
+        print(f"Compiled ahead: {kernels} kernels that the cells above had not compiled, on {os.cpu_count()} "
+              f"threads, in a pass of {seconds:.1f} s that also ran every other provider once per case")
     rows = []
-    for D, causal, N, flops, timers in each_case():
+    for D, causal, N, flops, qkv, calls in each_case():
+        timers = {(name, mode): functools.partial(bench_ms, functools.partial(fn, *qkv)) if mode == "fwd" else
+                  functools.partial(backward_ms, fn, *qkv) for (name, mode), fn in calls.items()}
         for (name, mode), ms in measure_in_rounds(timers, f"D={D}, N={N}, causal={causal}").items():
             work = flops * (2.5 if mode == "bwd" else 1.0)
             rows.append(dict(D=D, causal=causal, N=N, mode=mode, provider=name, value=work / min(ms) * 1e-9,

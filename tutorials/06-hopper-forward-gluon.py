@@ -652,15 +652,17 @@ if __name__ == "__main__":
           "portable fallback (lesson 05's kernel).")
     # At this length the tables pick lesson 05's kernel in some cases (lesson 05 checks it): insist on Gluon.
     checked = functools.partial(attention, warp_specialized=None if reason else True)
-    for D in (64, 128):
-        for dtype in (torch.float16, torch.bfloat16):
-            for causal in (False, True):
-                N = 1000 if ON_GPU else 65
-                q, k, v = (torch.randn(2, 3, N, D, device=DEVICE, dtype=dtype) for _ in range(3))
-                label = f"06-hopper-forward-gluon, D={D}, {dtype}, causal={causal}"
-                errors = V2.check_against_float64(checked, q, k, v, causal, D ** -0.5, label,
-                                                  tolerance=1e-2 if dtype == torch.float16 else 3e-2)
-                print(f"{label}, N={N}: " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+    N = 1000 if ON_GPU else 65
+    cases = {(D, dtype, causal): [torch.randn(2, 3, N, D, device=DEVICE, dtype=dtype) for _ in range(3)]
+             for D in (64, 128) for dtype in (torch.float16, torch.bfloat16) for causal in (False, True)}
+    # Every kernel the checks launch, compiled first on all CPU cores (lesson 04's compile_ahead).
+    V2.V1.compile_ahead(lambda: [V2.V1.forward_and_backward(checked, *qkv, causal, D ** -0.5)
+                                 for (D, _, causal), qkv in cases.items()])
+    for (D, dtype, causal), (q, k, v) in cases.items():
+        label = f"06-hopper-forward-gluon, D={D}, {dtype}, causal={causal}"
+        errors = V2.check_against_float64(checked, q, k, v, causal, D ** -0.5, label,
+                                          tolerance=1e-2 if dtype == torch.float16 else 3e-2)
+        print(f"{label}, N={N}: " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
 
 # %%
 # fp8 on Hopper: the layout of V
@@ -725,7 +727,7 @@ def portable_and_sdpa(causal, D):
     return providers
 
 
-def hopper_benchmark(mode, extra_timers, title):
+def hopper_benchmark(mode, extra_providers, title):
     """Lesson 05's cases in one mode (fwd or bwd), plotted: (results, table, peak, cases, sizes)."""
     import matplotlib.pyplot as plt
     import pandas as pd
@@ -736,7 +738,7 @@ def hopper_benchmark(mode, extra_timers, title):
         cases, sizes = [(1, 2, 64), (1, 1, 128)], [64, 128]
     peak = V2.matmul_tflops()
     print(f"{V2.V1.CEILING_NAME}, measured now: {peak:.3g} TFLOP/s")
-    results = pd.DataFrame(V2.run_benchmark(cases, sizes, portable_and_sdpa, (mode,), extra_timers))
+    results = pd.DataFrame(V2.run_benchmark(cases, sizes, portable_and_sdpa, (mode,), extra_providers))
     table = results.pivot_table(index=["D", "causal", "mode", "N"], columns="provider", values="value", sort=False)
     V2.plot_mode(table, mode, peak, title + (" on this GPU" if ON_GPU else " on the interpreter"))
     plt.show()
@@ -798,18 +800,17 @@ def default_forward(D, causal, N):
 FP8 = "Triton v2 fp8"
 
 
-def hopper_timers(q, k, v, causal, D):
-    """The Gluon forward where it runs, and lesson 05's fp8 forward where the GPU has fp8 tensor cores."""
-    timers = {}
+def hopper_providers(q, k, v, causal, D):
+    """The Gluon forward where it runs, and lesson 05's fp8 forward, on fp8 copies of the case's inputs, where the
+    GPU has fp8 tensor cores."""
+    providers = {}
     if warp_specialized_unsupported(q, k, v) is None:
-        fn = functools.partial(attention, q, k, v, causal, D ** -0.5, warp_specialized=True)
-        timers[WS, "fwd"] = functools.partial(V2.bench_ms, fn)
+        providers[WS, "fwd"] = functools.partial(attention, causal=causal, sm_scale=D ** -0.5, warp_specialized=True)
     if V2.V1.fp8_supported():
         q8, k8 = (t.detach().to(torch.float8_e5m2) for t in (q, k))
         v8 = V2.keys_contiguous(v.detach(), torch.float8_e5m2)  # the layout, written by the cast
-        timers[FP8, "fwd"] = functools.partial(V2.bench_ms, functools.partial(V2.attention, q8, k8, v8, causal,
-                                                                              D ** -0.5))
-    return timers
+        providers[FP8, "fwd"] = lambda *_: V2.attention(q8, k8, v8, causal, D ** -0.5)
+    return providers
 
 
 # %%
@@ -821,7 +822,7 @@ if __name__ == "__main__":
 # %%
 
 if __name__ == "__main__":
-    results, table, peak, cases, sizes = hopper_benchmark("fwd", hopper_timers, "Forward pass")
+    results, table, peak, cases, sizes = hopper_benchmark("fwd", hopper_providers, "Forward pass")
 
 # %%
 # The table, in TFLOP/s:

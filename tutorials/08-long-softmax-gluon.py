@@ -294,9 +294,9 @@ def shared_split_row_kernel(x_ptr, y_ptr, stats_ptr, arrived_ptr, M, N, x_row_st
 # run together only to a *cooperative* launch (``launch_cooperative_grid=True``, which lesson 02's
 # launcher and this one pass to Triton), and it refuses a grid too large for that with an error, where
 # a plain launch of one program too many would leave a row's last program waiting for an SM that never
-# frees. So the count must be exact: too low leaves room on the SMs unused, too high is refused. The
-# correctness section below launches the largest grid it allows, and one group more. An SM runs as
-# many programs as the tightest of its limits allows:
+# frees. So the count must be exact: too low leaves room on the SMs unused, too high is refused. After
+# the correctness checks, the page launches the grid that this count allows, and one group more. An SM
+# runs as many programs as the tightest of its limits allows:
 #
 # * **registers**: ``regs_per_multiprocessor`` (65,536 on Hopper) over registers per thread times
 #   threads per program, where registers are handed out in blocks of 256 per warp, so a thread's
@@ -462,22 +462,28 @@ if __name__ == "__main__":
             print(f"{str(dtype)[6:]:>8s}: values and gradients match float64 at 5 shapes")
 
 # %%
-# The count of programs against CUDA's: the largest grid it allows for bf16 rows of 65,536 elements in
-# chunks of 8,192, launched cooperatively, then one group more.
+# The count of programs against CUDA's: for bf16 rows of 65,536 elements, in chunks of 8,192 (where
+# registers set the count) and of 16,384 (where shared memory does, with the reserved kilobyte), the
+# grid that this lesson's count allows, launched cooperatively, then one group more.
 
 if __name__ == "__main__" and reason is None:
     x = torch.randn(1024, 65536, device=DEVICE, dtype=torch.bfloat16)
-    for extra in (0, 1):
-        y, args, meta = _shared_args(x, 8192)
-        per_sm = compiled_kernel(args, meta)[1]
-        programs = (per_sm * torch.cuda.get_device_properties(DEVICE).multi_processor_count // meta["SPLITS"]
-                    + extra) * meta["SPLITS"]
-        try:
-            shared_split_row_kernel[(programs,)](*args, **meta, num_warps=SHARED_WARPS, **LONG.COOPERATIVE)
-            right = torch.allclose(y.double(), torch.softmax(x.double(), dim=1), rtol=LONG.TOLERANCE[x.dtype], atol=0)
-            print(f"{programs} programs ({per_sm} per SM by the count): launched, softmax right: {right}")
-        except RuntimeError as error:
-            print(f"{programs} programs, one group of {meta['SPLITS']} more: refused ({error})")
+    props = torch.cuda.get_device_properties(DEVICE)
+    for chunk in (8192, 16384):
+        for extra in (0, 1):
+            y, args, meta = _shared_args(x, chunk)
+            kernel, per_sm = compiled_kernel(args, meta)
+            limits = program_limits(kernel, props, SHARED_WARPS)
+            programs = (per_sm * props.multi_processor_count // meta["SPLITS"] + extra) * meta["SPLITS"]
+            what = (f"chunks of {chunk}: {programs} programs ({per_sm} per SM, set by {min(limits, key=limits.get)})"
+                    if extra == 0 else f"chunks of {chunk}: {programs} programs (one group of {meta['SPLITS']} more)")
+            try:
+                shared_split_row_kernel[(programs,)](*args, **meta, num_warps=SHARED_WARPS, **LONG.COOPERATIVE)
+                right = torch.allclose(y.double(), torch.softmax(x.double(), dim=1), rtol=LONG.TOLERANCE[x.dtype],
+                                       atol=0)
+                print(f"{what}: launched; softmax right: {right}")
+            except RuntimeError as error:
+                print(f"{what}: refused ({error})")
 
 # %%
 # Benchmark
