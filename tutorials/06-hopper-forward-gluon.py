@@ -643,6 +643,23 @@ def attention(q, k, v, causal, sm_scale, warp_specialized=None):
 # GPU). On a machine where the Gluon kernel cannot run, the same check runs the portable
 # fallback, and the page says so.
 
+
+def check_every_case(checked, lesson):
+    """Lesson 04's check_against_float64 of checked at both head dims, both dtypes, causal and not, N = 1,000 on a
+    GPU, with the kernels compiled ahead (lesson 04's compile_ahead); prints each case's errors. Lesson 07 checks
+    its backward with it too."""
+    N = 1000 if ON_GPU else 65
+    cases = {(D, dtype, causal): [torch.randn(2, 3, N, D, device=DEVICE, dtype=dtype) for _ in range(3)]
+             for D in (64, 128) for dtype in (torch.float16, torch.bfloat16) for causal in (False, True)}
+    V2.V1.compile_ahead(lambda: [V2.V1.forward_and_backward(checked, *qkv, causal, D ** -0.5)
+                                 for (D, _, causal), qkv in cases.items()])
+    for (D, dtype, causal), (q, k, v) in cases.items():
+        label = f"{lesson}, D={D}, {dtype}, causal={causal}"
+        errors = V2.check_against_float64(checked, q, k, v, causal, D ** -0.5, label,
+                                          tolerance=1e-2 if dtype == torch.float16 else 3e-2)
+        print(f"{label}, N={N}: " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+
+
 if __name__ == "__main__":
     torch.manual_seed(0)
     probe = torch.empty(1, 1, 8, 64, dtype=torch.float16, device=DEVICE)
@@ -651,18 +668,7 @@ if __name__ == "__main__":
           f"The Gluon forward did not run on this machine: {reason}. The checks and timings below are of the "
           "portable fallback (lesson 05's kernel).")
     # At this length the tables pick lesson 05's kernel in some cases (lesson 05 checks it): insist on Gluon.
-    checked = functools.partial(attention, warp_specialized=None if reason else True)
-    N = 1000 if ON_GPU else 65
-    cases = {(D, dtype, causal): [torch.randn(2, 3, N, D, device=DEVICE, dtype=dtype) for _ in range(3)]
-             for D in (64, 128) for dtype in (torch.float16, torch.bfloat16) for causal in (False, True)}
-    # Every kernel the checks launch, compiled first on all CPU cores (lesson 04's compile_ahead).
-    V2.V1.compile_ahead(lambda: [V2.V1.forward_and_backward(checked, *qkv, causal, D ** -0.5)
-                                 for (D, _, causal), qkv in cases.items()])
-    for (D, dtype, causal), (q, k, v) in cases.items():
-        label = f"06-hopper-forward-gluon, D={D}, {dtype}, causal={causal}"
-        errors = V2.check_against_float64(checked, q, k, v, causal, D ** -0.5, label,
-                                          tolerance=1e-2 if dtype == torch.float16 else 3e-2)
-        print(f"{label}, N={N}: " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+    check_every_case(functools.partial(attention, warp_specialized=None if reason else True), "06-hopper-forward-gluon")
 
 # %%
 # fp8 on Hopper: the layout of V

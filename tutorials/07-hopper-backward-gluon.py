@@ -537,18 +537,8 @@ if __name__ == "__main__":
           f"The Gluon backward did not run on this machine: {reason}. The checks and timings below are of the "
           "portable fallback (lesson 05's kernels).")
     # At this length the tables pick lesson 05's kernels in some cases (lesson 05 checks them): insist on Gluon.
-    checked = functools.partial(attention, warp_specialized=None if reason else True)
-    N = 1000 if ON_GPU else 65
-    cases = {(D, dtype, causal): [torch.randn(2, 3, N, D, device=DEVICE, dtype=dtype) for _ in range(3)]
-             for D in (64, 128) for dtype in (torch.float16, torch.bfloat16) for causal in (False, True)}
-    # Every kernel the checks launch, compiled first on all CPU cores (lesson 04's compile_ahead).
-    V2.V1.compile_ahead(lambda: [V2.V1.forward_and_backward(checked, *qkv, causal, D ** -0.5)
-                                 for (D, _, causal), qkv in cases.items()])
-    for (D, dtype, causal), (q, k, v) in cases.items():
-        label = f"07-hopper-backward-gluon, D={D}, {dtype}, causal={causal}"
-        errors = V2.check_against_float64(checked, q, k, v, causal, D ** -0.5, label,
-                                          tolerance=1e-2 if dtype == torch.float16 else 3e-2)
-        print(f"{label}, N={N}: " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+    FWD.check_every_case(functools.partial(attention, warp_specialized=None if reason else True),
+                         "07-hopper-backward-gluon")
 
 # %%
 # Benchmark
