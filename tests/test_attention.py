@@ -396,6 +396,37 @@ def test_a_provider_whose_two_fastest_timings_disagree_is_timed_again(monkeypatc
                      ("slow first", "fwd"): [3.0, 1.0, 1.2]}
 
 
+def test_the_benchmark_calls_each_provider_once_in_its_compile_pass_then_times(monkeypatch, capsys):
+    phase, log = ["timing"], []
+
+    def compile_ahead(calls):  # on a GPU, launches in here only compile
+        phase[0] = "compiling"
+        calls()
+        phase[0] = "timing"
+        return 3, 0.5
+
+    def provider(name):
+        def fn(q, k, v):
+            log.append((name, phase[0]))
+            return q * 1.0
+        return fn
+
+    def broken(q, k, v):
+        raise RuntimeError("no kernel for this case")
+
+    monkeypatch.setattr(V1, "compile_ahead", compile_ahead)
+    monkeypatch.setattr(V1, "bench_ms", lambda fn: (fn(), 1.0)[1])
+    monkeypatch.setattr(V1, "ROUNDS", 1)
+    rows = V1.run_benchmark([(1, 1, 16)], [8], lambda causal, D: {"a": provider("a"), "broken": broken},
+                            ("fwd", "bwd"), lambda q, k, v, causal, D: {("x", "bwd"): provider("x")})
+    # the pass: per case, "a" forward, "a" forward again to make the graph for its backward, "x" likewise
+    assert log[:6] == [("a", "compiling")] * 2 + [("x", "compiling")] + [("a", "compiling")] * 2 + [("x", "compiling")]
+    assert all(p == "timing" for _, p in log[6:]) and len(log) > 6
+    assert sorted({(r["provider"], r["mode"]) for r in rows}) == [("a", "bwd"), ("a", "fwd"), ("x", "bwd")]
+    out = capsys.readouterr().out
+    assert "Compiled ahead: 3 kernels" in out and "broken skipped" in out
+
+
 def test_compile_ahead_runs_nothing_without_a_gpu(monkeypatch):
     monkeypatch.setattr(V1, "ON_GPU", False)
 
