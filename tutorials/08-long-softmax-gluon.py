@@ -484,6 +484,8 @@ if __name__ == "__main__" and reason is None:
                 print(f"{what}: launched; softmax right: {right}")
             except RuntimeError as error:
                 print(f"{what}: refused ({error})")
+elif __name__ == "__main__":
+    print("A cooperative launch of the shared-memory kernel needs a Hopper GPU: nothing launched here.")
 
 # %%
 # Benchmark
