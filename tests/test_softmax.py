@@ -217,7 +217,7 @@ class _Compiled:
 ])
 def test_programs_per_sm_takes_the_tightest_limit(n_regs, shared, expected):
     h100 = type("Props", (), dict(regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048,
-                                  shared_memory_per_multiprocessor=233472))
+                                  shared_memory_per_multiprocessor=233472, major=9, minor=0))
     assert LESSON_08.programs_per_sm(_Compiled(n_regs, shared), h100, 4) == expected
 
 

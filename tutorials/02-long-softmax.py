@@ -479,10 +479,13 @@ SPLIT_BYTES, SPLIT_WARPS = 32768, 4
 # A cooperative launch: CUDA starts every program of the grid together, or refuses the launch with an error
 # where they cannot all be resident, instead of leaving the waiting programs to spin forever.
 COOPERATIVE = dict(launch_cooperative_grid=True)
-# Programs (thread blocks) an SM holds at most, by compute capability: 32 on the others from Volta to Hopper (the
-# CUDA programming guide's table of limits).
-MAX_PROGRAMS_PER_SM = {(7, 5): 16, (8, 6): 16, (8, 7): 16, (8, 9): 24}
 _resident = {}
+
+
+def max_programs_per_sm(props):
+    """Programs (thread blocks) an SM holds at most, by compute capability: 16 or 24 on these, 32 on the others
+    from Volta to Hopper (the CUDA programming guide's table of limits)."""
+    return {(7, 5): 16, (8, 6): 16, (8, 7): 16, (8, 9): 24}.get((props.major, props.minor), 32)
 
 
 def _programs_that_fit(args, meta, num_warps):
@@ -497,7 +500,7 @@ def _programs_that_fit(args, meta, num_warps):
         per_sm = min(props.regs_per_multiprocessor // max(1, regs * threads),
                      props.max_threads_per_multi_processor // threads,
                      props.shared_memory_per_multiprocessor // max(1, kernel.metadata.shared),
-                     MAX_PROGRAMS_PER_SM.get((props.major, props.minor), 32))
+                     max_programs_per_sm(props))
         _resident[key] = props.multi_processor_count * per_sm
     return _resident[key]
 

@@ -305,7 +305,7 @@ def shared_split_row_kernel(x_ptr, y_ptr, stats_ptr, arrived_ptr, M, N, x_row_st
 # * **shared memory**: ``shared_memory_per_multiprocessor`` (228 KiB on Hopper) over the program's
 #   shared memory plus the 1 KiB that CUDA reserves for each program (Nsight Compute lists it as
 #   "Driver Shared Memory Per Block"), in units of 128 bytes;
-# * **programs**: at most 32 per SM on Hopper.
+# * **programs**: at most 32 per SM on Hopper (lesson 02's ``max_programs_per_sm``).
 #
 # The compiler reports the first and third figures for the compiled kernel (``n_regs`` and
 # ``metadata.shared``). Lesson 02's launcher, whose kernel uses almost no shared memory, leaves out
@@ -316,7 +316,7 @@ def shared_split_row_kernel(x_ptr, y_ptr, stats_ptr, arrived_ptr, M, N, x_row_st
 # rounded up to the next size that the SM offers, 196 KiB.)
 
 SHARED_CHUNK_BYTES, SHARED_PIECE, SHARED_WARPS = 16384, 2048, 4
-MAX_PROGRAMS_PER_SM, RESERVED_SHARED_BYTES = 32, 1024
+RESERVED_SHARED_BYTES = 1024
 _compiled = {}
 
 
@@ -327,7 +327,8 @@ def program_limits(kernel, props, num_warps):
     shared = -(-(kernel.metadata.shared + RESERVED_SHARED_BYTES) // 128) * 128
     return {"registers": props.regs_per_multiprocessor // (regs * threads),
             "threads": props.max_threads_per_multi_processor // threads,
-            "shared memory": props.shared_memory_per_multiprocessor // shared, "programs": MAX_PROGRAMS_PER_SM}
+            "shared memory": props.shared_memory_per_multiprocessor // shared,
+            "programs": LONG.max_programs_per_sm(props)}
 
 
 def programs_per_sm(kernel, props, num_warps):
