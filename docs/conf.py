@@ -65,6 +65,24 @@ templates_path = ["_templates"]
 RESULTS_DIR = Path(os.environ.get("TUTORIAL_RESULTS_DIR", ROOT / "build" / "results")).resolve()
 os.environ["TUTORIAL_RESULTS_DIR"] = str(RESULTS_DIR)
 
+
+def forget_removed_lessons(lessons, gallery, results):
+    """Remove what Sphinx-Gallery and the benchmarks generated for lessons that no longer exist.
+
+    A lesson renamed or removed leaves its page, notebook, figures and results behind. The page alone
+    fails the build (it is in no toctree), its script would ship in the zips of all lessons, and its
+    results would stay on the performance page."""
+    current = {path.stem for path in lessons.glob("[0-9][0-9]-*.py")}
+    generated = [*gallery.glob("[0-9][0-9]-*"), *gallery.glob("images/**/sphx_glr_[0-9][0-9]-*"),
+                 *results.glob("[0-9][0-9]-*.json")]
+    for path in generated:
+        stem = re.split(r"[._]", path.name.removeprefix("sphx_glr_"), maxsplit=1)[0]
+        if stem not in current and path.is_file():
+            path.unlink()
+
+
+forget_removed_lessons(ROOT / "tutorials", DOCS / "tutorials", RESULTS_DIR)
+
 sphinx_gallery_conf = {
     "examples_dirs": str(ROOT / "tutorials"),
     "gallery_dirs": "tutorials",

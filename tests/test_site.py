@@ -144,6 +144,25 @@ def test_the_repository_setting_follows_github_actions(monkeypatch):
     assert conf["html_theme_options"]["github_url"] == "https://github.com/someone/a-fork"
 
 
+def test_a_renamed_lesson_leaves_nothing_behind(monkeypatch, tmp_path):
+    monkeypatch.setenv("TUTORIAL_RESULTS_DIR", str(RESULTS))
+    forget = runpy.run_path(str(ROOT / "docs" / "conf.py"))["forget_removed_lessons"]
+    lessons, gallery, results = tmp_path / "tutorials", tmp_path / "gallery", tmp_path / "results"
+    for folder in (lessons, gallery / "images" / "thumb", results):
+        folder.mkdir(parents=True)
+    (lessons / "01-kept.py").touch()
+    kept = [gallery / "01-kept.rst", gallery / "01-kept.py.md5", gallery / "images" / "sphx_glr_01-kept_001.png",
+            gallery / "index.rst", gallery / "tutorials_python.zip", results / "01-kept.json"]
+    gone = [gallery / "02-renamed.rst", gallery / "02-renamed.py", gallery / "02-renamed.codeobj.json",
+            gallery / "images" / "sphx_glr_02-renamed_001.png",
+            gallery / "images" / "thumb" / "sphx_glr_02-renamed_thumb.png", results / "02-renamed.json"]
+    for path in kept + gone:
+        path.touch()
+    forget(lessons, gallery, results)
+    assert all(path.exists() for path in kept), [path for path in kept if not path.exists()]
+    assert not [path for path in gone if path.exists()]
+
+
 def calls_save_results(lesson):
     """Whether the lesson calls save_results, its own or another lesson's (module.save_results)."""
     tree = ast.parse((TUTORIALS / f"{lesson}.py").read_text())

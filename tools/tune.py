@@ -2,9 +2,9 @@
 
     python tools/tune.py softmax        # tile height, warps, pipelining depth, persistent or not
     python tools/tune.py split-row      # chunk and warps of lesson 02's row-sharing kernel
-    python tools/tune.py shared-row     # lesson 08's chunk per dtype and row length, or lesson 02's kernel:
-                                        # rewrites the table in lesson 08
-    python tools/tune.py attention      # lesson 05's tiles, and the fastest forward and backward of 06 and 07:
+    python tools/tune.py shared-row     # lesson 09's chunk per dtype and row length, or lesson 02's kernel:
+                                        # rewrites the table in lesson 09
+    python tools/tune.py attention      # lesson 05's tiles, and the fastest forward and backward of 07 and 08:
                                         # rewrites the tables in those lessons
     python tools/tune.py attention-paths 1024   # only the forward and backward choices, at these lengths
 
@@ -85,9 +85,9 @@ def tune_split_row():
 
 
 def tune_shared_row():
-    """Lesson 08's kernel with chunks of 8 to 64 KiB against lesson 02's registers kernel, per dtype and row
-    length, fastest of 4 alternating timings; the winner of each case rewritten into lesson 08's table."""
-    lesson = load("08-long-softmax-gluon")
+    """Lesson 09's kernel with chunks of 8 to 64 KiB against lesson 02's registers kernel, per dtype and row
+    length, fastest of 4 alternating timings; the winner of each case rewritten into lesson 09's table."""
+    lesson = load("09-long-softmax-gluon")
     M, table = 4096, {}
     for dtype in (torch.float32, torch.bfloat16):
         for N in lesson.SHARED_LENGTHS:
@@ -111,7 +111,7 @@ def tune_shared_row():
                 f"{'registers' if key is None else key}: {g:.0f} GB/s" for key, g in gbs.items()), flush=True)
     note = (f"# tools/tune.py shared-row, {datetime.date.today().isoformat()}, {torch.cuda.get_device_name()}, "
             f"torch {torch.__version__}, Triton {triton.__version__}")
-    write_block(TUTORIALS / "08-long-softmax-gluon.py", "shared-row chunks", [note] + literal("SHARED_CHUNKS", table))
+    write_block(TUTORIALS / "09-long-softmax-gluon.py", "shared-row chunks", [note] + literal("SHARED_CHUNKS", table))
 
 
 def write_block(path, title, lines):
@@ -184,11 +184,11 @@ HOST_PACED_BELOW_MS = 1.0
 
 def host_times(measured, calls, rounds=3):
     """{key: the host's ms to enqueue one call} for every key of `measured`: 0 for those without a call in
-    `calls` (calls too long for the host to pace); the others by lesson 06's interleaved_host_ms, in rounds
+    `calls` (calls too long for the host to pace); the others by lesson 07's interleaved_host_ms, in rounds
     that take every call in turn, so that a slow spell of the host falls on all the paths alike. Timed one
     path after another, a slow spell had once fallen on one path alone (348 us against 195 to 235 us in
     the other runs) and picked the other backward."""
-    timed = load("06-hopper-forward-gluon").interleaved_host_ms(calls, rounds)
+    timed = load("07-hopper-forward-gluon").interleaved_host_ms(calls, rounds)
     return {key: timed.get(key, 0.0) for key in measured}
 
 
@@ -206,7 +206,7 @@ def fastest_paths(D, causal, N):
     slower of its GPU time and the host's time per call, as a user's back-to-back calls see it (on a near-tie,
     the one with less host time: steadiest_of_the_fastest). Prints what it measured."""
     V1, V2 = load("04-fused-attention-v1"), load("05-fused-attention-v2")
-    FWD, HOPPER = load("06-hopper-forward-gluon"), load("07-hopper-backward-gluon")
+    FWD, HOPPER = load("07-hopper-forward-gluon"), load("08-hopper-backward-gluon")
     q, k, v = attention_inputs(D, N)
     case, scale = (D, causal, N), D ** -0.5
     tflops = lambda ms, work=4 * 4 * HEADS[D] * N * N * D * (0.5 if causal else 1.0): work / ms * 1e-9  # noqa: E731
@@ -251,14 +251,14 @@ def tune_attention():
     """For each head dim, masking and sequence length of lesson 05's benchmark: the GPU time of every tile
     configuration of each of lesson 05's kernels, then (fewest_configs) one configuration per bucket with
     as few distinct ones as keep every bucket within TIED of its fastest. With those, fastest_paths picks
-    each case's forward and backward. Writes the tables into lessons 05, 06 and 07.
+    each case's forward and backward. Writes the tables into lessons 05, 07 and 08.
 
     Tiles are compared by the kernel's own GPU time, from the profiler: every tile of one kernel costs
     the host the same, and at short lengths the host's time per call varies more on a shared machine
     than the kernels differ."""
     V1 = load("04-fused-attention-v1")
     V2 = load("05-fused-attention-v2")
-    FWD = load("06-hopper-forward-gluon")
+    FWD = load("07-hopper-forward-gluon")
     sizes = (1024, 2048, 4096, 8192, 16384)
     # The launchers read the table while it is being filled: each timing below runs one candidate.
     V2.TUNED_ON.clear()
@@ -321,19 +321,19 @@ def tune_attention():
                 forward_paths[D, causal, N], backward_paths[D, causal, N] = fastest_paths(D, causal, N)
     write_block(TUTORIALS / "05-fused-attention-v2.py", "attention",
                 literal("TUNED_ON", V2.TUNED_ON) + literal_by_bucket("TUNED_CONFIGS", V2.TUNED_CONFIGS, "by_bucket"))
-    write_block(TUTORIALS / "06-hopper-forward-gluon.py", "forward paths",
+    write_block(TUTORIALS / "07-hopper-forward-gluon.py", "forward paths",
                 literal_by_bucket("FORWARD_PATHS", forward_paths, "V2.by_bucket"))
-    write_block(TUTORIALS / "07-hopper-backward-gluon.py", "backward paths",
+    write_block(TUTORIALS / "08-hopper-backward-gluon.py", "backward paths",
                 literal_by_bucket("BACKWARD_PATHS", backward_paths, "V2.by_bucket"))
 
 
 def tune_attention_paths(lengths):
     """fastest_paths again at the given sequence lengths only, with the tiles as the lessons hold them, and
-    those entries of lessons 06 and 07's path tables rewritten. For a change to the host's work per call,
+    those entries of lessons 07 and 08's path tables rewritten. For a change to the host's work per call,
     which moves the choice between paths at the shortest lengths and no tile's GPU time; a change to a
     kernel needs the whole sweep."""
     V2 = load("05-fused-attention-v2")
-    FWD, HOPPER = load("06-hopper-forward-gluon"), load("07-hopper-backward-gluon")
+    FWD, HOPPER = load("07-hopper-forward-gluon"), load("08-hopper-backward-gluon")
     buckets = V2.TUNED_ON["buckets"]
     if not lengths or any(N not in buckets for N in lengths):
         sys.exit(f"attention-paths takes sequence lengths among the tables' buckets {buckets}, got {lengths}")
@@ -346,9 +346,9 @@ def tune_attention_paths(lengths):
     note = (f"# N = {', '.join(map(str, lengths))}: tools/tune.py attention-paths, "
             f"{datetime.date.today().isoformat()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
             f"Triton {triton.__version__}")
-    write_block(TUTORIALS / "06-hopper-forward-gluon.py", "forward paths",
+    write_block(TUTORIALS / "07-hopper-forward-gluon.py", "forward paths",
                 [note] + literal_by_bucket("FORWARD_PATHS", forward_paths, "V2.by_bucket"))
-    write_block(TUTORIALS / "07-hopper-backward-gluon.py", "backward paths",
+    write_block(TUTORIALS / "08-hopper-backward-gluon.py", "backward paths",
                 [note] + literal_by_bucket("BACKWARD_PATHS", backward_paths, "V2.by_bucket"))
 
 

@@ -582,7 +582,7 @@ def bench_ms(fn):
 
 # Triton compiles a kernel the first time a launch meets a new specialization of it (a
 # configuration, a dtype, an integer that is or is not a multiple of 16), one kernel after another
-# on one CPU core: 8 s of lesson 04, 41 s of lesson 05 and 78 s of lesson 06 in a cold run on an
+# on one CPU core: 8 s of lesson 04, 41 s of lesson 05 and 78 s of lesson 07 in a cold run on an
 # H100's host (this site's engineering notes, 2026-11-26). Triton can compile on a pool of threads
 # instead (its ``AsyncCompileMode``, internal in Triton 3.6 and 3.9), for launches that only *warm
 # up* a kernel: compile it, run nothing. So before it times anything, the harness calls everything

@@ -382,7 +382,7 @@ TUNED_CONFIGS = by_bucket({
 def host_cdiv(a, b):
     """ceil(a / b) for the launchers. triton.cdiv gives the same, but is built to run inside kernels too, and
     from the host every call first unwraps its arguments: microseconds, which count where the host paces the
-    GPU (lesson 06, "Host time and GPU time at the smallest size")."""
+    GPU (lesson 07, "Host time and GPU time at the smallest size")."""
     return -(-a // b)
 
 
@@ -697,7 +697,7 @@ def attn_bwd_dq_kernel(
 # (``forward``, ``backward_delta``, ``backward``): the two Hopper lessons that follow reuse them.
 # ``backward_delta`` is the preprocess, for the backwards that need :math:`\Delta` before they start.
 #
-# At short lengths the host's work per call matters as much as the GPU's (lesson 06's section "Host
+# At short lengths the host's work per call matters as much as the GPU's (lesson 07's section "Host
 # time and GPU time at the smallest size" measures both). One large piece is Triton's JIT dispatch:
 # on every call it inspects each of some thirty arguments, to find what the compiled kernel was
 # specialized on (dtypes, integers equal to 1 or divisible by 16, pointers aligned to 16 bytes), and
@@ -782,7 +782,7 @@ def forward(q, k, v, causal, sm_scale):
     o = torch.empty((B, H, N, D), dtype=torch.float16 if q.dtype == torch.float8_e5m2 else q.dtype, device=q.device)
     lse = torch.empty((B * H, N), dtype=torch.float32, device=q.device)
     if q.dtype == torch.float8_e5m2 and v.stride(2) != 1 and N > 1:
-        v = keys_contiguous(v)  # lesson 06, "fp8 on Hopper: the layout of V", says why
+        v = keys_contiguous(v)  # lesson 07, "fp8 on Hopper: the layout of V", says why
     _launch(attn_fwd_kernel, "fwd", plan_key(q, k, v), tuned_case(q, causal),
             lambda bm, bn: (host_cdiv(N, bm), B * H), 6, q, k, v, o, lse, sm_scale * LOG2E, H, N,
             host_next_power_of_2(N), *q.stride(), *k.stride(), *v.stride(), *o.stride(), D=D, CAUSAL=causal,
@@ -797,7 +797,7 @@ def _upcast(q):
 
 def backward_delta(o, do):
     """Delta = rowsum(dO * O) in fp32, shape (B * H, N): the preprocess kernel, for the atomic backward
-    and lesson 07's."""
+    and lesson 08's."""
     B, H, N, D = o.shape
     delta = torch.empty((B * H, N), dtype=torch.float32, device=o.device)
     launch_planned(plan_key(o, do), attn_bwd_preprocess_kernel, (host_cdiv(N, 64), B * H), 3,

@@ -19,8 +19,8 @@ You will learn:
 * how to find where a backward's time goes with the CUDA profiler, kernel by kernel.
 
 This lesson needs ``04-fused-attention-v1.py``, ``05-fused-attention-v2.py`` and
-``06-hopper-forward-gluon.py`` next to it (the site's zip of all lessons has them): it runs lesson
-06's forward, reuses lesson 05's preprocess, checks and benchmark helpers, and falls back to lesson
+``07-hopper-forward-gluon.py`` next to it (the site's zip of all lessons has them): it runs lesson
+07's forward, reuses lesson 05's preprocess, checks and benchmark helpers, and falls back to lesson
 05's backward where Gluon cannot run. On such a machine this page still shows the design and the
 portable kernels' numbers, and says why the Gluon kernel did not run.
 """
@@ -82,7 +82,7 @@ def load_sibling(stem):
     return module
 
 
-V2, FWD = load_sibling("05-fused-attention-v2"), load_sibling("06-hopper-forward-gluon")
+V2, FWD = load_sibling("05-fused-attention-v2"), load_sibling("07-hopper-forward-gluon")
 
 # %%
 # Five products, one program per key block
@@ -154,7 +154,7 @@ if __name__ == "__main__":
 # * **Bulk reductions, not element atomics.** One ``red.global.add.f32`` per element of
 #   :math:`dQ` keeps the L2 cache busy with tiny transactions; a TMA reduction sends a whole tile.
 #   Triton 3.6's Gluon can emit the operation but has no Python name for it yet (later versions
-#   call it ``tma.async_atomic_add``), so the lesson defines the builtin itself, the way lesson 06
+#   call it ``tma.async_atomic_add``), so the lesson defines the builtin itself, the way lesson 07
 #   bridges ``async_load``'s two names.
 # * **A bank-conflict-free staging tile.** TMA reads the fp32 tile from shared memory in the
 #   swizzled layout that ``NVMMASharedLayout`` describes, whose rows may be at most 128 bytes: 32
@@ -163,7 +163,7 @@ if __name__ == "__main__":
 #   conflict on every store.
 # * **Registers.** A consumer thread holds :math:`dK` and :math:`dV` for 64 keys (128 registers at
 #   :math:`D = 128`), :math:`S^T` and :math:`dP^T` (64 more), and its :math:`dQ` columns (32), of
-#   the 240 that ``setmaxnreg`` gives it (lesson 06). Whatever does not fit spills to local memory
+#   the 240 that ``setmaxnreg`` gives it (lesson 07). Whatever does not fit spills to local memory
 #   (``ptxas -v`` reports the bytes). Four changes cut the spills: the loader also brings each
 #   query block's :math:`\mathrm{LSE}_2` and :math:`\Delta` into shared memory by TMA (no
 #   pointers, masks or index vectors in the consumers); :math:`P^T` is kept in 16 bits once
@@ -185,7 +185,7 @@ if __name__ == "__main__":
 #   as well measured 0.88x to 1.01x, and was dropped.
 # * **Wide stores, where they pay.** ``wgmma`` leaves each thread pairs of adjacent values of
 #   :math:`dK` and :math:`dV`, so stores straight from its layout are 4 bytes wide. Without the
-#   causal mask the consumers first rearrange them into lesson 06's store layout, 8 adjacent values
+#   causal mask the consumers first rearrange them into lesson 07's store layout, 8 adjacent values
 #   per thread: 16-byte, coalesced stores, the same bits, and 0.99x to 1.13x the speed of storing
 #   straight in an H100 probe (engineering notes, ``df96ead``; most at :math:`N = 1024`, where the
 #   stores weigh most). With the mask, the same change measured 8% to 12% slower at
@@ -345,7 +345,7 @@ def _ws_bwd_consumer(GROUP: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_s
     if CAUSAL:
         out_layout: gl.constexpr = g_layout
     else:
-        # Without the mask, dK and dV leave through the forward's 16-byte store layout (lesson 06); with
+        # Without the mask, dK and dV leave through the forward's 16-byte store layout (lesson 07); with
         # it, the rearrangement cost more than it saved (the text before the kernel gives both).
         out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [4, 1], [1, 0])
         dk = gl.convert_layout(dk, out_layout)
@@ -394,7 +394,7 @@ def attn_bwd_ws_kernel(desc_q, desc_k, desc_v, desc_do, desc_lse, desc_delta, de
     do_full = _ws_barrier_ring(STAGES, 1)
     q_empty = _ws_barrier_ring(STAGES, 2)
     do_empty = _ws_barrier_ring(STAGES, 2)
-    # The argument tuples are written out in the call, as in lesson 06: a tuple stored in a variable
+    # The argument tuples are written out in the call, as in lesson 07: a tuple stored in a variable
     # first would turn CAUSAL and STAGES into run-time values.
     gl.warp_specialize([
         (_ws_bwd_consumer, (0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_full,
@@ -423,7 +423,7 @@ def _ws_backward(q, k, v, do, lse, delta, causal, sm_scale):
     B, H, N, D = q.shape
     if not FWD.tma_loadable(do):
         # A fresh allocation: do.contiguous() returns do itself when it is contiguous but starts off a
-        # 16-byte boundary, which TMA cannot load (lesson 06's exercise "Making a tensor loadable").
+        # 16-byte boundary, which TMA cannot load (lesson 07's exercise "Making a tensor loadable").
         do = torch.empty(do.shape, dtype=do.dtype, device=do.device).copy_(do)
     dq = torch.zeros((B, H, N, D), dtype=torch.float32, device=q.device)
     dk = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
@@ -448,7 +448,7 @@ def _ws_backward(q, k, v, do, lse, delta, causal, sm_scale):
 # Three backwards can follow either forward: this lesson's Gluon kernel, lesson 05's two-pass one
 # and lesson 05's atomic one. Which is fastest depends on the case, so ``attention`` runs the one
 # that the sweep (``python tools/tune.py attention``) measured fastest for it, recorded in
-# ``BACKWARD_PATHS``, and the forward that lesson 06's table names. (As there, a path's time is the
+# ``BACKWARD_PATHS``, and the forward that lesson 07's table names. (As there, a path's time is the
 # slower of its GPU time and the host's time per call, and the sweep ran before this build; the line
 # under the benchmark's table counts the cases where this build's timings agree with it.) The
 # arguments can overrule the tables: ``atomic_dq=False`` asks for the two-pass backward, whose
@@ -538,7 +538,7 @@ if __name__ == "__main__":
           "portable fallback (lesson 05's kernels).")
     # At this length the tables pick lesson 05's kernels in some cases (lesson 05 checks them): insist on Gluon.
     FWD.check_every_case(functools.partial(attention, warp_specialized=None if reason else True),
-                         "07-hopper-backward-gluon")
+                         "08-hopper-backward-gluon")
 
 # %%
 # Benchmark
@@ -593,7 +593,7 @@ if __name__ == "__main__":
     else:
         print("These are interpreter timings: they measure NumPy on the CPU, not GPU kernels.")
     defaults = FWD.default_path(results, table, default_backward, peers, "BACKWARD_PATHS")
-    V2.save_results("07-hopper-backward-gluon", [{
+    V2.save_results("08-hopper-backward-gluon", [{
         "name": "attention backward, " + ("warp-specialized" if WS in table else "no Gluon kernel ran"),
         "unit": "TFLOP/s", "ceiling_name": V2.V1.CEILING_NAME,
         "ceiling": peak, "ours": [FWD.DEFAULT] + [c for c in (WS, PORTABLE, ATOMIC) if c in table], "peers": peers,
@@ -602,17 +602,17 @@ if __name__ == "__main__":
 # %%
 # The host at the smallest size
 # -----------------------------
-# At the smallest size the host's share of a call is largest, for the reason of lesson 06: a
+# At the smallest size the host's share of a call is largest, for the reason of lesson 07: a
 # backward call is a few Python launches (two kernels for the two-pass backward; for the atomic and
 # Gluon ones the preprocess, the main kernel, and zeroing and converting the fp32 :math:`dQ`) after
 # PyTorch's autograd engine, and the host's time to enqueue them can exceed the GPU's time to run
-# them. Whether it does is a measurement: the same split as in lesson 06, for each backward at the
+# them. Whether it does is a measurement: the same split as in lesson 07, for each backward at the
 # smallest size, the host's time per call (the fastest of two interleaved rounds) and the GPU's,
 # from the profiler (both include autograd adding each gradient into ``.grad``), and the time per
 # call that the benchmark above measured. Beside them, the host's floor for any backward written in
 # Python: an autograd function whose backward launches nothing and hands back gradients made
 # beforehand. cuDNN's backward is C++ inside PyTorch and pays no such Python round trip. As in
-# lesson 06, the cell sets our ratio to cuDNN by GPU time beside the benchmark's.
+# lesson 07, the cell sets our ratio to cuDNN by GPU time beside the benchmark's.
 
 
 class _GradientsReady(torch.autograd.Function):
@@ -678,7 +678,7 @@ BACKWARD_PRODUCTS = {"attn_bwd_preprocess_kernel": 0, "attn_bwd_dkdv_kernel": 4,
 
 def backward_kernel_ms(fn, q, k, v, passes=3):
     """{kernel name: GPU milliseconds per backward pass} of every kernel that fn's backward runs, autograd's
-    additions into .grad included (lesson 06's profiler): per kernel, the fastest of ROUNDS profiles, as the
+    additions into .grad included (lesson 07's profiler): per kernel, the fastest of ROUNDS profiles, as the
     benchmark keeps the fastest of its timings."""
     call = V2.V1.backward_call(fn, q, k, v)
     profiles = [FWD.kernel_ms(call, passes) for _ in range(V2.ROUNDS)]  # the first call tunes, unprofiled

@@ -568,7 +568,7 @@ if __name__ == "__main__":
                   f"same-size copy, {row[CHOICE] / row[peers].max():.2g}x torch.softmax")
     if reason is not None:
         print("These are interpreter timings: the ratios measure NumPy on the CPU, not GPU kernels.")
-    FUSED.save_results("08-long-softmax-gluon", [{
+    FUSED.save_results("09-long-softmax-gluon", [{
         "name": f"long-row softmax, M = {M}", "unit": "GB/s", "ceiling_name": "copy bandwidth",
         "ceiling": copy_gbs, "ours": [name for name in (SHARED, CHOICE) if name in table.columns], "peers": peers,
         "rows": results.to_dict("records")}])
@@ -660,7 +660,7 @@ elif __name__ == "__main__":
 #    check masks the first half of each input's last row), then time it against
 #    ``shared_split_row_softmax`` with the same chunk at each length of the benchmark.
 # 2. **One bulk copy per chunk.** Hopper's TMA copies a whole box with one instruction from one
-#    thread (lesson 06 shows tensor descriptors, ``mbarrier`` and the TMA load from
+#    thread (lesson 07 shows tensor descriptors, ``mbarrier`` and the TMA load from
 #    ``gluon.language.nvidia.hopper``: ``tma.async_load``, called ``async_copy_global_to_shared``
 #    in Triton 3.6). View a row of :math:`N` elements as an
 #    :math:`(N / 256) \times 256` matrix, load each chunk as one box, and handle the rows whose

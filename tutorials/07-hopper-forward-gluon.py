@@ -646,7 +646,7 @@ def attention(q, k, v, causal, sm_scale, warp_specialized=None):
 
 def check_every_case(checked, lesson):
     """Lesson 04's check_against_float64 of checked at both head dims, both dtypes, causal and not, N = 1,000 on a
-    GPU, with the kernels compiled ahead (lesson 04's compile_ahead); prints each case's errors. Lesson 07 checks
+    GPU, with the kernels compiled ahead (lesson 04's compile_ahead); prints each case's errors. Lesson 08 checks
     its backward with it too."""
     N = 1000 if ON_GPU else 65
     cases = {(D, dtype, causal): [torch.randn(2, 3, N, D, device=DEVICE, dtype=dtype) for _ in range(3)]
@@ -668,7 +668,7 @@ if __name__ == "__main__":
           f"The Gluon forward did not run on this machine: {reason}. The checks and timings below are of the "
           "portable fallback (lesson 05's kernel).")
     # At this length the tables pick lesson 05's kernel in some cases (lesson 05 checks it): insist on Gluon.
-    check_every_case(functools.partial(attention, warp_specialized=None if reason else True), "06-hopper-forward-gluon")
+    check_every_case(functools.partial(attention, warp_specialized=None if reason else True), "07-hopper-forward-gluon")
 
 # %%
 # fp8 on Hopper: the layout of V
@@ -706,7 +706,7 @@ if __name__ == "__main__":
             print(f"fp8 forward, causal={causal!s:5}, N={N}: max error {error:.1e} of the largest output")
             # P is rounded to e5m2 before the second product; a wrong layout of V gives errors near 1.
             if not (torch.isfinite(out).all() and error < 0.1):
-                raise AssertionError(f"06-hopper-forward-gluon: fp8 forward is off, error {error:.2e}")
+                raise AssertionError(f"07-hopper-forward-gluon: fp8 forward is off, error {error:.2e}")
     else:
         print("fp8 forward skipped: it needs a GPU with fp8 tensor cores (compute capability 8.9 or newer).")
 
@@ -722,7 +722,7 @@ if __name__ == "__main__":
 
 WS = "Triton, warp-specialized (Gluon)"
 PORTABLE = "Triton v2 (lesson 05)"
-ATOMIC = V2.ATOMIC  # lesson 05's atomic backward, which lesson 07's table may choose
+ATOMIC = V2.ATOMIC  # lesson 05's atomic backward, which lesson 08's table may choose
 
 
 def portable_and_sdpa(causal, D):
@@ -848,7 +848,7 @@ V2.results_table(results) if __name__ == "__main__" else None
 # build) found the tensor cores busy about half the time at :math:`D = 64` in this kernel and in
 # cuDNN's alike, and 76% to 79% of the time (ours) against 70% to 75% (cuDNN's) at :math:`D = 128`.
 # The matmul rate is measured once per page, after a second of warm-up; it differs by a few percent
-# between the pages of one build (compare the ceilings that lessons 04 to 07 print), so a kernel
+# between the pages of one build (compare the ceilings that lessons 04 to 08 print), so a kernel
 # within a few percent of it, or even past it, is at the ceiling, not beyond it.
 
 if __name__ == "__main__":
@@ -867,7 +867,7 @@ if __name__ == "__main__":
     else:
         print("These are interpreter timings: they measure NumPy on the CPU, not GPU kernels.")
     defaults = default_path(results, table, default_forward, peers, "FORWARD_PATHS")
-    V2.save_results("06-hopper-forward-gluon", [{
+    V2.save_results("07-hopper-forward-gluon", [{
         "name": "attention forward, " + ("warp-specialized" if WS in table else "no Gluon kernel ran"),
         "unit": "TFLOP/s", "ceiling_name": V2.V1.CEILING_NAME,
         "ceiling": peak, "ours": [DEFAULT] + [c for c in (WS, PORTABLE) if c in table], "peers": peers,
