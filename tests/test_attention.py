@@ -11,7 +11,8 @@ from lessons import ROOT, load
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
 
-V1, V2 = load("04-fused-attention-v1"), load("05-fused-attention-v2")
+V1, V2 = load("04-fused-attention-v1"), load("05-fused-attention-v2-forward")
+V2_BWD = load("06-fused-attention-v2-backward")
 HOPPER_FWD, HOPPER = load("07-hopper-forward-gluon"), load("08-hopper-backward-gluon")
 
 
@@ -26,7 +27,7 @@ def gluon_where_it_runs(attention):
     return run
 
 # v2's backward strategies: dQ in its own pass, or added atomically by the dK, dV programs.
-VERSIONS = {"v1": V1.attention, "v2": V2.attention, "v2-atomic-dq": partial(V2.attention, atomic_dq=True)}
+VERSIONS = {"v1": V1.attention, "v2": V2_BWD.attention, "v2-atomic-dq": partial(V2_BWD.attention, atomic_dq=True)}
 DEVICE = V2.DEVICE  # the lessons run where Triton does: the GPU if there is one
 ON_HOPPER = V2.ON_GPU and torch.cuda.get_device_capability()[0] == 9
 if ON_HOPPER:
@@ -120,12 +121,13 @@ def test_v2_non_causal_gradient_differs_from_causal(rng):
     q, k, v = (randn((1, 1, 64, 32), torch.float16, rng).to(DEVICE).requires_grad_() for _ in range(3))
     grads = []
     for causal in (False, True):
-        out = V2.attention(q, k, v, causal, 32 ** -0.5)
+        out = V2_BWD.attention(q, k, v, causal, 32 ** -0.5)
         grads.append(torch.autograd.grad(out.sum(), (q, k, v)))
     assert not torch.allclose(grads[0][1].float(), grads[1][1].float(), atol=1e-2)
 
 
-@pytest.mark.parametrize("attention", [V2.attention, partial(HOPPER.attention, atomic_dq=False)], ids=["v2", "hopper"])
+@pytest.mark.parametrize("attention", [V2_BWD.attention, partial(HOPPER.attention, atomic_dq=False)],
+                         ids=["v2", "hopper"])
 def test_two_pass_backward_gives_the_same_bits_every_run(attention, rng):
     """atomic_dq=False promises a reproducible dQ: nothing in it depends on the order of additions."""
     q, k, v = (randn((1, 2, 200, 64), torch.float16, rng).requires_grad_() for _ in range(3))
@@ -172,7 +174,7 @@ def test_bad_flags_are_refused(version):
         VERSIONS[version](*good(), True, float("nan"))
 
 
-@pytest.mark.parametrize("attention", [V2.attention, HOPPER.attention], ids=["v2", "hopper"])
+@pytest.mark.parametrize("attention", [V2_BWD.attention, HOPPER.attention], ids=["v2", "hopper"])
 def test_bad_atomic_flag_is_refused(attention):
     with pytest.raises(TypeError, match="atomic_dq"):
         attention(*good(), True, 0.125, atomic_dq="yes")
@@ -527,12 +529,36 @@ def test_exercise_one_row_backward():
         ds = p * (dp - (p * dp).sum())
         return scale * ds @ K, scale * torch.outer(ds, q), dV
 
-    V2.check_one_row_backward(right)
+    V2_BWD.check_one_row_backward(right)
     with pytest.raises(AssertionError, match="dq"):  # forgets Delta
-        V2.check_one_row_backward(lambda q, K, V, do, scale: (
+        V2_BWD.check_one_row_backward(lambda q, K, V, do, scale: (
             scale * (torch.softmax(K @ q * scale, 0) * (V @ do)) @ K, *right(q, K, V, do, scale)[1:]))
     with pytest.raises(AssertionError, match="three gradients"):  # zip would stop at the shorter answer
-        V2.check_one_row_backward(lambda q, K, V, do, scale: right(q, K, V, do, scale)[:1])
+        V2_BWD.check_one_row_backward(lambda q, K, V, do, scale: right(q, K, V, do, scale)[:1])
+
+
+def test_exercise_dv_only():
+    def right(q, k, v, do, lse, causal, sm_scale):
+        v = v.double().requires_grad_()
+        out = reference(q.double(), k.double(), v, causal, sm_scale)
+        return torch.autograd.grad(out, v, do.double())[0].to(q.dtype)
+
+    V2_BWD.check_dv_only(right)
+    with pytest.raises(AssertionError, match="causal=True: dV is off"):  # ignores the mask
+        V2_BWD.check_dv_only(lambda q, k, v, do, lse, causal, sm_scale: right(q, k, v, do, lse, False, sm_scale))
+    with pytest.raises(AssertionError, match="dV is off"):  # dK in dV's place
+        V2_BWD.check_dv_only(lambda q, k, v, do, lse, causal, sm_scale: V2_BWD.attention(
+            *(t.requires_grad_() for t in (q, k, v)), causal, sm_scale).backward(do) or k.grad)
+    with pytest.raises(AssertionError, match="shape"):
+        V2_BWD.check_dv_only(lambda *args: None)
+
+
+def test_the_forward_lesson_has_the_same_forward_and_says_where_the_backward_is(rng):
+    q, k, v = (randn((2, 3, 77, 64), torch.float16, rng).requires_grad_() for _ in range(3))
+    out = V2.attention(q, k, v, True, 0.125)
+    assert torch.equal(out, V2_BWD.attention(q, k, v, True, 0.125))
+    with pytest.raises(NotImplementedError, match="06-fused-attention-v2-backward"):
+        out.sum().backward()
 
 
 def test_exercise_padded_attention():
@@ -829,7 +855,7 @@ def test_the_tuned_tables_cover_every_case_with_valid_choices():
     for name in V2.INTERPRETER_CONFIGS:
         for D, causal, bucket in CASES:
             config = V2.TUNED_CONFIGS[(name, D, causal, bucket)]
-            shapes, prune = (V2.FWD_SHAPES, V2._prune_fwd) if name == "fwd" else (V2.BWD_SHAPES, V2._prune_bwd)
+            shapes, prune = (V2.FWD_SHAPES, V2._prune_fwd) if name == "fwd" else (V2_BWD.BWD_SHAPES, V2_BWD._prune_bwd)
             assert config in shapes, (name, D, causal, bucket, config)
             assert prune(V2._configs([config]), {}, D=D)[0].kwargs == V2._configs([config])[0].kwargs
             block_m, block_n = config[:2]

@@ -4,8 +4,8 @@
     python tools/tune.py split-row      # chunk and warps of lesson 02's row-sharing kernel
     python tools/tune.py shared-row     # lesson 09's chunk per dtype and row length, or lesson 02's kernel:
                                         # rewrites the table in lesson 09
-    python tools/tune.py attention      # lesson 05's tiles, and the fastest forward and backward of 07 and 08:
-                                        # rewrites the tables in those lessons
+    python tools/tune.py attention      # the tiles of lessons 05 and 06 (one table, in lesson 05), and the
+                                        # fastest forward and backward of 07 and 08: rewrites those tables
     python tools/tune.py attention-paths 1024   # only the forward and backward choices, at these lengths
 
 Prints, per problem, the fastest settings and their speed next to the lesson's current choice.
@@ -205,15 +205,16 @@ def fastest_paths(D, causal, N):
     faster forward (Gluon or portable) and the fastest backward (Gluon, two-pass or atomic), each costing the
     slower of its GPU time and the host's time per call, as a user's back-to-back calls see it (on a near-tie,
     the one with less host time: steadiest_of_the_fastest). Prints what it measured."""
-    V1, V2 = load("04-fused-attention-v1"), load("05-fused-attention-v2")
+    V1, V2 = load("04-fused-attention-v1"), load("05-fused-attention-v2-forward")
+    V2_BWD = load("06-fused-attention-v2-backward")
     FWD, HOPPER = load("07-hopper-forward-gluon"), load("08-hopper-backward-gluon")
     q, k, v = attention_inputs(D, N)
     case, scale = (D, causal, N), D ** -0.5
     tflops = lambda ms, work=4 * 4 * HEADS[D] * N * N * D * (0.5 if causal else 1.0): work / ms * 1e-9  # noqa: E731
     gluon_runs = FWD.warp_specialized_unsupported(q, k, v) is None
-    forwards = {"portable": lambda: V2.attention(q, k, v, causal, scale)}
-    backwards = {"two-pass": lambda q, k, v: V2.attention(q, k, v, causal, scale, False),
-                 "atomic": lambda q, k, v: V2.attention(q, k, v, causal, scale, True)}
+    forwards = {"portable": lambda: V2_BWD.attention(q, k, v, causal, scale)}
+    backwards = {"two-pass": lambda q, k, v: V2_BWD.attention(q, k, v, causal, scale, False),
+                 "atomic": lambda q, k, v: V2_BWD.attention(q, k, v, causal, scale, True)}
     if gluon_runs:
         forwards["gluon"] = lambda: FWD.attention(q, k, v, causal, scale, warp_specialized=True)
         backwards["gluon"] = lambda q, k, v: HOPPER.attention(q, k, v, causal, scale, warp_specialized=True)
@@ -249,7 +250,7 @@ def fastest_paths(D, causal, N):
 
 def tune_attention():
     """For each head dim, masking and sequence length of lesson 05's benchmark: the GPU time of every tile
-    configuration of each of lesson 05's kernels, then (fewest_configs) one configuration per bucket with
+    configuration of each kernel of lessons 05 and 06, then (fewest_configs) one configuration per bucket with
     as few distinct ones as keep every bucket within TIED of its fastest. With those, fastest_paths picks
     each case's forward and backward. Writes the tables into lessons 05, 07 and 08.
 
@@ -257,7 +258,7 @@ def tune_attention():
     the host the same, and at short lengths the host's time per call varies more on a shared machine
     than the kernels differ."""
     V1 = load("04-fused-attention-v1")
-    V2 = load("05-fused-attention-v2")
+    V2, V2_BWD = load("05-fused-attention-v2-forward"), load("06-fused-attention-v2-backward")
     FWD = load("07-hopper-forward-gluon")
     sizes = (1024, 2048, 4096, 8192, 16384)
     # The launchers read the table while it is being filled: each timing below runs one candidate.
@@ -276,7 +277,7 @@ def tune_attention():
         shapes = {name: [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
                          for c in prune(V2._configs(candidates), {}, D=D)]
                   for name, prune, candidates in (("fwd", V2._prune_fwd, V2.FWD_SHAPES),
-                                                  ("bwd", V2._prune_bwd, V2.BWD_SHAPES))}
+                                                  ("bwd", V2_BWD._prune_bwd, V2_BWD.BWD_SHAPES))}
         for causal in (False, True):
             scale = D ** -0.5
             for N in sizes:
@@ -293,7 +294,7 @@ def tune_attention():
                     V2.TUNED_CONFIGS[(name, *case)] = min(measured, key=measured.get)
 
                 def backward(atomic_dq, kernel):
-                    return kernel_ms(lambda: V2.backward(q, k, v, o, do, lse, causal, scale, atomic_dq), kernel)
+                    return kernel_ms(lambda: V2_BWD.backward(q, k, v, o, do, lse, causal, scale, atomic_dq), kernel)
 
                 sweep("fwd", shapes["fwd"], lambda: kernel_ms(lambda: V2.forward(q, k, v, causal, scale),
                                                               "attn_fwd_kernel"))
@@ -319,7 +320,7 @@ def tune_attention():
         for causal in (False, True):
             for N in sizes:
                 forward_paths[D, causal, N], backward_paths[D, causal, N] = fastest_paths(D, causal, N)
-    write_block(TUTORIALS / "05-fused-attention-v2.py", "attention",
+    write_block(TUTORIALS / "05-fused-attention-v2-forward.py", "attention",
                 literal("TUNED_ON", V2.TUNED_ON) + literal_by_bucket("TUNED_CONFIGS", V2.TUNED_CONFIGS, "by_bucket"))
     write_block(TUTORIALS / "07-hopper-forward-gluon.py", "forward paths",
                 literal_by_bucket("FORWARD_PATHS", forward_paths, "V2.by_bucket"))
@@ -332,7 +333,7 @@ def tune_attention_paths(lengths):
     those entries of lessons 07 and 08's path tables rewritten. For a change to the host's work per call,
     which moves the choice between paths at the shortest lengths and no tile's GPU time; a change to a
     kernel needs the whole sweep."""
-    V2 = load("05-fused-attention-v2")
+    V2 = load("05-fused-attention-v2-forward")
     FWD, HOPPER = load("07-hopper-forward-gluon"), load("08-hopper-backward-gluon")
     buckets = V2.TUNED_ON["buckets"]
     if not lengths or any(N not in buckets for N in lengths):

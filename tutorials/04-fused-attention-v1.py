@@ -445,19 +445,22 @@ def reference_attention(q, k, v, causal, sm_scale):
     return torch.softmax(s, dim=-1) @ v
 
 
-def check_against_float64(attention_fn, q, k, v, causal, sm_scale, label, tolerance=1e-2):
-    """Errors of o, dq, dk, dv relative to the largest float64 reference value (at least 1), on a
-    fresh random dO; raises AssertionError naming label and the tensor when one is off or not finite."""
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+def check_against_float64(attention_fn, q, k, v, causal, sm_scale, label, tolerance=1e-2, backward=True):
+    """Errors of o, dq, dk, dv (o alone without backward) relative to the largest float64 reference value
+    (at least 1), on a fresh random dO; raises AssertionError naming label and the tensor when one is off or
+    not finite."""
+    q, k, v = (t.detach().requires_grad_(backward) for t in (q, k, v))
     out = attention_fn(q, k, v, causal, sm_scale)
-    do = torch.randn_like(out)
-    out.backward(do)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    q64, k64, v64 = (t.detach().double().requires_grad_(backward) for t in (q, k, v))
     ref = reference_attention(q64, k64, v64, causal, sm_scale)
-    ref.backward(do.double())
+    compared = [("o", out, ref)]
+    if backward:
+        do = torch.randn_like(out)
+        out.backward(do)
+        ref.backward(do.double())
+        compared += [("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad), ("dv", v.grad, v64.grad)]
     errors = {}
-    for name, got, want in (("o", out, ref), ("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad),
-                            ("dv", v.grad, v64.grad)):
+    for name, got, want in compared:
         errors[name] = ((got.double() - want).abs().max() / want.abs().max().clamp(min=1.0)).item()
         if not (torch.isfinite(got).all() and errors[name] < tolerance):
             raise AssertionError(f"{label}: {name} is off, error {errors[name]:.2e} relative to the largest value "
@@ -758,7 +761,7 @@ def run_benchmark(cases, sizes, providers, modes, extra_providers=None):
 
 
 # One colour and marker per provider on every attention page.
-STYLE = {"Triton v2 (this lesson)": ("#d62728", "o"), "Triton v2 (lesson 05)": ("#d62728", "o"),
+STYLE = {"Triton v2 (this lesson)": ("#d62728", "o"), "Triton v2 (lessons 05, 06)": ("#d62728", "o"),
          "SDPA cuDNN": ("#1f77b4", "s"), "SDPA flash": ("#2ca02c", "^"), "SDPA mem-efficient": ("#bcbd22", "v"),
          "SDPA math": ("#7f7f7f", "v"), "Triton v1 (this lesson)": ("#9467bd", "D"),
          "Triton v1 (lesson 04)": ("#9467bd", "D"), "Triton v2, atomic dQ": ("#ff7f0e", "P"),

@@ -20,11 +20,12 @@ You will learn:
 * why fp8 needs V stored with the keys contiguous on Hopper, and what fp8 buys;
 * what the host pays to launch a kernel that needs TMA descriptors, measured against GPU time.
 
-This lesson needs ``05-fused-attention-v2.py`` and ``04-fused-attention-v1.py`` next to it (the
-site's zip of all lessons has them): where Gluon cannot run (a CPU, or a GPU other than Hopper) it
-runs that lesson's portable forward, and it always reuses that lesson's backward, checks and
-benchmark helpers. On such a machine this page still shows the design and the portable kernel's
-numbers, and says why the Gluon kernel did not run.
+This lesson needs ``04-fused-attention-v1.py``, ``05-fused-attention-v2-forward.py`` and
+``06-fused-attention-v2-backward.py`` next to it (the site's zip of all lessons has them): where
+Gluon cannot run (a CPU, or a GPU other than Hopper) it runs lesson 05's portable forward, and it
+always reuses lesson 06's backward and the earlier lessons' checks and benchmark helpers. On such a
+machine this page still shows the design and the portable kernel's numbers, and says why the Gluon
+kernel did not run.
 """
 
 # %%
@@ -85,7 +86,8 @@ def load_sibling(stem):
     return module
 
 
-V2 = load_sibling("05-fused-attention-v2")  # which loads 04-fused-attention-v1 in turn
+V2 = load_sibling("05-fused-attention-v2-forward")  # which loads 04-fused-attention-v1 in turn
+V2_BWD = load_sibling("06-fused-attention-v2-backward")
 
 # %%
 # Who waits for whom in the portable forward
@@ -531,7 +533,7 @@ def _ws_forward(q, k, v, o, lse, causal, sm_scale, programs=None):
     n_m = V2.host_cdiv(N, WS_BLOCK_M)
     work = (n_m + 1) // 2 * B * H if causal else n_m * B * H  # pairs of tiles, or tiles
     programs = min(programs or _sm_count(q.device.index), work)
-    # Lesson 05's launch plans ("The launcher and autograd"): the descriptors hold this call's tensors, so they
+    # Lesson 05's launch plans ("The launcher"): the descriptors hold this call's tensors, so they
     # are among the arguments passed afresh.
     V2.launch_planned(
         V2.plan_key(q, k, v), attn_fwd_ws_kernel, (programs,), 6,
@@ -594,7 +596,7 @@ class _AttentionHopperForward(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         do = V2.resolved_gradient(do)
-        return *V2.backward(q, k, v, o, do, lse, ctx.causal, ctx.sm_scale, False), None, None, None
+        return *V2_BWD.backward(q, k, v, o, do, lse, ctx.causal, ctx.sm_scale, False), None, None, None
 
 
 def gluon_allowed(q, k, v, warp_specialized, sm_scale):
@@ -717,18 +719,18 @@ if __name__ == "__main__":
 # SDPA's backends, measured in this run the same way (on a GPU each provider timed twice in
 # alternating order, more often where the two disagree, the fastest kept). The ceiling is the fp16
 # matrix-multiply rate measured in this run. Under the interpreter there is no Gluon kernel to run:
-# lesson 05's kernels stand in for it, so the page still runs, and its tables compare them with
+# lessons 05 and 06's kernels stand in for it, so the page still runs, and its tables compare them with
 # SDPA's math backend.
 
 WS = "Triton, warp-specialized (Gluon)"
-PORTABLE = "Triton v2 (lesson 05)"
-ATOMIC = V2.ATOMIC  # lesson 05's atomic backward, which lesson 08's table may choose
+PORTABLE = "Triton v2 (lessons 05, 06)"
+ATOMIC = V2_BWD.ATOMIC  # lesson 06's atomic backward, which lesson 08's table may choose
 
 
 def portable_and_sdpa(causal, D):
-    """Lesson 05's kernels and SDPA's backends: what both Hopper lessons measure themselves against."""
+    """Lessons 05 and 06's kernels and SDPA's backends: what both Hopper lessons measure themselves against."""
     scale = D ** -0.5
-    providers = {PORTABLE: lambda q, k, v: V2.attention(q, k, v, causal, scale)}
+    providers = {PORTABLE: lambda q, k, v: V2_BWD.attention(q, k, v, causal, scale)}
     providers.update(V2.sdpa_providers(causal, scale, V2.PEERS))
     return providers
 
@@ -738,10 +740,7 @@ def hopper_benchmark(mode, extra_providers, title):
     import matplotlib.pyplot as plt
     import pandas as pd
 
-    if ON_GPU:
-        cases, sizes = [(4, 32, 64), (4, 16, 128)], [1024, 2048, 4096, 8192, 16384]
-    else:
-        cases, sizes = [(1, 2, 64), (1, 1, 128)], [64, 128]
+    cases, sizes = V2.CASES, V2.SIZES
     peak = V2.matmul_tflops()
     print(f"{V2.V1.CEILING_NAME}, measured now: {peak:.3g} TFLOP/s")
     results = pd.DataFrame(V2.run_benchmark(cases, sizes, portable_and_sdpa, (mode,), extra_providers))
@@ -752,7 +751,8 @@ def hopper_benchmark(mode, extra_providers, title):
 
 
 def against_portable(table, peak, portable_name):
-    """One line per (head dim, masking): Gluon against SDPA and lesson 05, or lesson 05 against SDPA."""
+    """One line per (head dim, masking): Gluon against SDPA and the portable kernel, or the portable kernel
+    against SDPA."""
     peers = [c for c in V2.PEERS if c in table]
     for (D, causal, _), part in table.groupby(level=["D", "causal", "mode"], sort=False):
         best_peer = part[peers].max(axis=1)

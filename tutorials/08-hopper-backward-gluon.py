@@ -2,7 +2,7 @@
 Hopper II: the FlashAttention-3 backward in Gluon
 =================================================
 
-The portable backward of lesson 05 executes seven matrix products per pair of blocks where five
+The portable backward of lesson 06 executes seven matrix products per pair of blocks where five
 would do, or five with one atomic addition per element of :math:`dQ`. FlashAttention-3's backward
 keeps the five products and makes the additions cheap: :math:`dS` shared between two warp groups
 through shared memory, and :math:`dQ` summed by the TMA engine in bulk. This lesson writes it in
@@ -18,10 +18,11 @@ You will learn:
   of them;
 * how to find where a backward's time goes with the CUDA profiler, kernel by kernel.
 
-This lesson needs ``04-fused-attention-v1.py``, ``05-fused-attention-v2.py`` and
-``07-hopper-forward-gluon.py`` next to it (the site's zip of all lessons has them): it runs lesson
-07's forward, reuses lesson 05's preprocess, checks and benchmark helpers, and falls back to lesson
-05's backward where Gluon cannot run. On such a machine this page still shows the design and the
+This lesson needs lessons 04 to 07 next to it (``04-fused-attention-v1.py``,
+``05-fused-attention-v2-forward.py``, ``06-fused-attention-v2-backward.py`` and
+``07-hopper-forward-gluon.py``; the site's zip of all lessons has them): it runs lesson 07's
+forward, reuses lesson 06's preprocess and the earlier lessons' checks and benchmark helpers, and
+falls back to lesson 06's backward where Gluon cannot run. On such a machine this page still shows the design and the
 portable kernels' numbers, and says why the Gluon kernel did not run.
 """
 
@@ -82,7 +83,8 @@ def load_sibling(stem):
     return module
 
 
-V2, FWD = load_sibling("05-fused-attention-v2"), load_sibling("07-hopper-forward-gluon")
+V2, V2_BWD = load_sibling("05-fused-attention-v2-forward"), load_sibling("06-fused-attention-v2-backward")
+FWD = load_sibling("07-hopper-forward-gluon")
 
 # %%
 # Five products, one program per key block
@@ -195,7 +197,7 @@ if __name__ == "__main__":
 # Where the TMA box crosses the end of the sequence, the loads fill zeros and the reductions skip
 # the rows past :math:`N`, so no query block needs a bounds mask. :math:`dQ` is summed in an fp32
 # buffer and rounded to the input dtype at the end. The order of the additions varies, so
-# :math:`dQ`'s last bits can differ from run to run; ``atomic_dq=False`` asks for lesson 05's
+# :math:`dQ`'s last bits can differ from run to run; ``atomic_dq=False`` asks for lesson 06's
 # two-pass backward, which gives the same bits every time.
 
 from triton.experimental import gluon  # noqa: E402
@@ -445,16 +447,16 @@ def _ws_backward(q, k, v, do, lse, delta, causal, sm_scale):
 # %%
 # The launcher and autograd
 # -------------------------
-# Three backwards can follow either forward: this lesson's Gluon kernel, lesson 05's two-pass one
-# and lesson 05's atomic one. Which is fastest depends on the case, so ``attention`` runs the one
+# Three backwards can follow either forward: this lesson's Gluon kernel, lesson 06's two-pass one
+# and lesson 06's atomic one. Which is fastest depends on the case, so ``attention`` runs the one
 # that the sweep (``python tools/tune.py attention``) measured fastest for it, recorded in
 # ``BACKWARD_PATHS``, and the forward that lesson 07's table names. (As there, a path's time is the
 # slower of its GPU time and the host's time per call, and the sweep ran before this build; the line
 # under the benchmark's table counts the cases where this build's timings agree with it.) The
 # arguments can overrule the tables: ``atomic_dq=False`` asks for the two-pass backward, whose
 # :math:`dQ` has the same bits on every run; ``atomic_dq=True`` for an atomic one (the Gluon kernel
-# where it runs, lesson 05's elsewhere); ``warp_specialized=True`` for the Gluon kernels, forward
-# and backward, and ``False`` for lesson 05's. A case the tables do not cover runs Gluon where it
+# where it runs, lesson 06's elsewhere); ``warp_specialized=True`` for the Gluon kernels, forward
+# and backward, and ``False`` for lessons 05 and 06's. A case the tables do not cover runs Gluon where it
 # can, and otherwise the two-pass backward.
 
 # BEGIN tools/tune.py backward paths: written by the sweep; run it again rather than edit these lines.
@@ -504,9 +506,9 @@ class _AttentionHopper(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         do = V2.resolved_gradient(do)
         if ctx.path == "gluon":
-            grads = _ws_backward(q, k, v, do, lse, V2.backward_delta(o, do), ctx.causal, ctx.sm_scale)
+            grads = _ws_backward(q, k, v, do, lse, V2_BWD.backward_delta(o, do), ctx.causal, ctx.sm_scale)
         else:
-            grads = V2.backward(q, k, v, o, do, lse, ctx.causal, ctx.sm_scale, ctx.path == "atomic")
+            grads = V2_BWD.backward(q, k, v, o, do, lse, ctx.causal, ctx.sm_scale, ctx.path == "atomic")
         return *grads, None, None, None, None
 
 
@@ -514,9 +516,9 @@ def attention(q, k, v, causal, sm_scale, atomic_dq=None, warp_specialized=None):
     """softmax(q k^T * sm_scale) v with the forward and backward that tools/tune.py measured fastest for the case.
 
     ``atomic_dq``: None lets the measurement choose; False runs the two-pass backward (the same bits every
-    run); True an atomic one (Gluon's TMA reductions on Hopper, lesson 05's atomics elsewhere), whose last
+    run); True an atomic one (Gluon's TMA reductions on Hopper, lesson 06's atomics elsewhere), whose last
     bits vary from run to run. ``warp_specialized``: None lets the measurement choose; True insists on the
-    Gluon kernels, False asks for lesson 05's."""
+    Gluon kernels, False asks for lessons 05 and 06's."""
     V2.check_inputs(q, k, v, causal, sm_scale)
     q, k, v = V2.resolved(q, k, v)
     ws, path = choose_paths(q, k, v, causal, sm_scale, atomic_dq, warp_specialized)
@@ -535,8 +537,8 @@ if __name__ == "__main__":
     reason = FWD.warp_specialized_unsupported(probe, probe, probe)
     print("The Gluon backward runs here." if reason is None else
           f"The Gluon backward did not run on this machine: {reason}. The checks and timings below are of the "
-          "portable fallback (lesson 05's kernels).")
-    # At this length the tables pick lesson 05's kernels in some cases (lesson 05 checks them): insist on Gluon.
+          "portable fallback (lessons 05 and 06's kernels).")
+    # At this length the tables pick lesson 06's kernels in some cases (lesson 06 checks them): insist on Gluon.
     FWD.check_every_case(functools.partial(attention, warp_specialized=None if reason else True),
                          "08-hopper-backward-gluon")
 
@@ -544,15 +546,15 @@ if __name__ == "__main__":
 # Benchmark
 # ---------
 # The backward pass in TFLOP/s (2.5 times the forward's FLOPs: five products), at lesson 05's
-# sizes, against lesson 05's two-pass backward and SDPA's backends, measured in this run.
+# sizes, against lesson 06's two-pass backward and SDPA's backends, measured in this run.
 
 WS, PORTABLE, ATOMIC = FWD.WS, FWD.PORTABLE, FWD.ATOMIC
 
 
 def backward_providers(q, k, v, causal, D):
-    """The Gluon backward where it runs, and lesson 05's atomic one: the two the table may pick besides the
+    """The Gluon backward where it runs, and lesson 06's atomic one: the two the table may pick besides the
     two-pass backward."""
-    providers = V2.atomic_provider(q, k, v, causal, D)
+    providers = V2_BWD.atomic_provider(q, k, v, causal, D)
     if FWD.warp_specialized_unsupported(q, k, v) is None:
         providers[WS, "bwd"] = functools.partial(attention, causal=causal, sm_scale=D ** -0.5, warp_specialized=True)
     return providers
@@ -587,7 +589,7 @@ V2.results_table(results) if __name__ == "__main__" else None
 # Computed from the table above, in this run.
 
 if __name__ == "__main__":
-    peers = FWD.against_portable(table, peak, "lesson 05's two-pass backward")
+    peers = FWD.against_portable(table, peak, "lesson 06's two-pass backward")
     if V2.ROUNDS > 1:
         print(V2.spread_summary(results))
     else:
@@ -662,7 +664,7 @@ elif __name__ == "__main__":
 # %%
 # Where the backward's time goes
 # ------------------------------
-# A profile says more than a guess. The CUDA profiler below times each kernel of lesson 05's
+# A profile says more than a guess. The CUDA profiler below times each kernel of lesson 06's
 # two-pass backward over a few passes at :math:`D = 128` and the longest sequence of the sweep,
 # and, knowing how many matrix products each kernel executes, gives each kernel's own multiply
 # rate. On Hopper it then profiles the warp-specialized backward the same way, and last SDPA's
@@ -690,7 +692,7 @@ def profile_backward(B, H, N, D, causal, peak):
     fraction of peak (TFLOP/s)."""
     q, k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16, requires_grad=True) for _ in range(3))
     per_product = 2 * B * H * N * N * D * (0.5 if causal else 1.0)  # about half the blocks when causal
-    two_pass = backward_kernel_ms(lambda q, k, v: V2.attention(q, k, v, causal, D ** -0.5), q, k, v)
+    two_pass = backward_kernel_ms(lambda q, k, v: V2_BWD.attention(q, k, v, causal, D ** -0.5), q, k, v)
     times = {name: ms for name, ms in two_pass.items() if name in BACKWARD_PRODUCTS}
     total = sum(times.values())
     print(f"two-pass backward, {'causal' if causal else 'non-causal'}, D={D}, N={N}: {total:.2f} ms of GPU time")
@@ -771,7 +773,7 @@ elif __name__ == "__main__":
 #    present. Block sizes are powers of two, but either block may be the larger: the kernel's own
 #    ``first + BLOCK_N // BLOCK_M`` holds only where ``BLOCK_M`` divides ``BLOCK_N``. Then
 #    ``check_query_block_range(query_block_range)``.
-# 2. **Counting products.** Write ``products_per_block_pair(atomic_dq)`` for lesson 05's
+# 2. **Counting products.** Write ``products_per_block_pair(atomic_dq)`` for lesson 06's
 #    backward: how many matrix products one (key block, query block) pair costs with and without
 #    atomic :math:`dQ`, counting the :math:`dQ` pass's. Then ``check_products(products_per_block_pair)``.
 

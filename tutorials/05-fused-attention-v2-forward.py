@@ -1,21 +1,21 @@
 """
-Fused attention v2: FlashAttention-2, forward and backward
-==========================================================
+Fused attention v2: FlashAttention-2's forward
+==============================================
 
 FlashAttention-2 (Dao, 2023) reorganizes the FlashAttention-1 algorithm of the previous lesson so
-that a GPU spends its time in matrix multiplications. This lesson builds it in portable Triton,
-forward and backward, correct for every sequence length, head dimension and masking mode, and
-measures it against PyTorch's cuDNN and flash backends. The two lessons after it take the same
-algorithm to Hopper's warp-specialized design (FlashAttention-3) in Gluon.
+that a GPU spends its time in matrix multiplications. This lesson builds its forward pass in portable
+Triton, correct for every sequence length, head dimension and masking mode, and measures it against
+PyTorch's cuDNN and flash backends. The next lesson derives and builds the backward pass on top of
+it, and the two after that take the same algorithm to Hopper's warp-specialized design
+(FlashAttention-3) in Gluon.
 
 You will learn:
 
 * what FlashAttention-2 changes from v1, and why each change pays;
 * how to split causal attention into blocks that need no mask and blocks that do, drawn as a grid;
-* the backward pass derived from the forward, including why :math:`\\Delta = \\mathrm{rowsum}(dO \\circ O)`;
-* how the backward splits into a :math:`dQ` pass and a :math:`dK, dV` pass, why the :math:`dQ` pass
-  runs first, and what FlashAttention-2's atomic additions to :math:`dQ` save and cost instead;
-* how to autotune a kernel without making every build slow;
+* why attention is bound by the tensor cores and not by memory, although one tile alone would be;
+* how to tune a kernel's tiles once, offline, instead of autotuning in every build;
+* how to cut the host's cost of a launch where the host, not the GPU, sets the pace;
 * the mistakes that learners' versions of this kernel make, and the tests that catch each one.
 
 This lesson needs ``04-fused-attention-v1.py`` next to it (the site's zip of all lessons has
@@ -87,8 +87,7 @@ check_inputs, resolved, resolved_gradient, reference_attention, check_against_fl
     V1.check_inputs, V1.resolved, V1.resolved_gradient, V1.reference_attention, V1.check_against_float64)
 describe_platform, bench_ms, matmul_tflops, save_results = (
     V1.describe_platform, V1.bench_ms, V1.matmul_tflops, V1.save_results)
-sdpa_providers, backward_ms, run_benchmark, plot_mode = (
-    V1.sdpa_providers, V1.backward_ms, V1.run_benchmark, V1.plot_mode)
+sdpa_providers, run_benchmark, plot_mode = V1.sdpa_providers, V1.run_benchmark, V1.plot_mode
 results_table, spread_summary, ROUNDS = V1.results_table, V1.spread_summary, V1.ROUNDS
 
 # %%
@@ -103,7 +102,7 @@ results_table, spread_summary, ROUNDS = V1.results_table, V1.spread_summary, V1.
 # * **exp2, with** :math:`\log_2 e` **folded into the scale.** The scores are multiplied by
 #   ``sm_scale`` anyway; multiplying by ``sm_scale * log2(e)`` instead makes every exponential a
 #   bare ``exp2``, one hardware instruction, and saves the multiplication by :math:`\log_2 e` that
-#   ``tl.exp`` performs before its own ``exp2``. The backward then saves
+#   ``tl.exp`` performs before its own ``exp2``. For the backward, the forward saves
 #   :math:`\mathrm{LSE}_2 = m + \log_2 \ell` per row, in the same base-2 units.
 # * **Parallel over the sequence in the backward too.** The forward grid has one program per
 #   (query block, batch, head), as the 2022 kernel of the previous lesson already had. Its
@@ -111,9 +110,9 @@ results_table, spread_summary, ROUNDS = V1.results_table, V1.spread_summary, V1.
 #   backward runs one program per key block, which owns that block's :math:`dK, dV`. :math:`dQ` is
 #   the awkward one: every key block contributes to every query row's :math:`dQ`. The
 #   FlashAttention-2 paper has the key-block programs *add* their contributions into an fp32
-#   :math:`dQ` with atomic instructions. This lesson builds that, and also the alternative that
+#   :math:`dQ` with atomic instructions. The next lesson builds that, and also the alternative that
 #   Triton's own tutorial uses: a pass of its own with one program per query block, which owns
-#   its rows of :math:`dQ` outright. Which is faster is measured below.
+#   its rows of :math:`dQ` outright, and measures which is faster.
 # * **Causal work split by the diagonal.** For a query block, key blocks entirely below the
 #   diagonal are fully visible and need no mask; only the blocks that the diagonal crosses are
 #   masked. Blocks above it are skipped altogether: causal attention does about half the work
@@ -306,6 +305,9 @@ def attn_fwd_kernel(
 # and among tied ones keeps as few distinct configurations per kernel, head dimension and masking
 # as it can ("Which tiles ran", below, counts them). Under the interpreter there is nothing to
 # tune, and one configuration runs.
+#
+# One table holds the tiles of all four kernels of FlashAttention-2, since one sweep measures them
+# together: this lesson's forward (``fwd``) and the three kernels of the next lesson's backward.
 
 
 def _configs(shapes):
@@ -325,16 +327,9 @@ def _prune_fwd(configs, named_args, **kwargs):
     return keep or configs[-1:]
 
 
-def _prune_bwd(configs, named_args, **kwargs):
-    D = kwargs.get("D", named_args.get("D"))
-    keep = [c for c in configs if c.kwargs["BLOCK_M"] <= c.kwargs["BLOCK_N"] and _fits(c, D)]
-    return keep or configs[-1:]
-
-
 # The candidates, (BLOCK_M, BLOCK_N, warps, stages): those that won somewhere on an H100 in wider sweeps.
 FWD_SHAPES = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)]
-BWD_SHAPES = [(64, 128, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 4), (32, 128, 4, 3)]
-# Under the interpreter: one configuration per kernel, obeying the same rules.
+# Under the interpreter: one configuration per kernel (the next lesson's too), obeying the same rules.
 INTERPRETER_CONFIGS = {"fwd": (64, 32, 4, 1), "dkdv": (32, 64, 4, 1), "dkdv-atomic": (32, 64, 4, 1),
                        "dq": (32, 64, 4, 1)}
 
@@ -407,280 +402,6 @@ def tuned_case(q, causal):
 
 
 # %%
-# The backward, derived
-# ---------------------
-# Write the forward for one (batch, head) with the scale folded into the scores:
-#
-# .. math::
-#
-#    S &= \mathrm{scale}\cdot Q K^T, \\
-#    P &= \mathrm{softmax}_{\text{rows}}(S), \\
-#    O &= P V.
-#
-# Given :math:`dO = \partial L / \partial O`, walk back one step at a time.
-#
-# * :math:`O = PV` is a matrix product, so :math:`dV = P^T dO` and :math:`dP = dO\, V^T`.
-# * The softmax acts on each row separately. For one row, :math:`p = \mathrm{softmax}(s)` has the
-#   Jacobian :math:`\partial p_j / \partial s_k = p_j(\delta_{jk} - p_k)`, so
-#   :math:`ds_k = \sum_j dp_j\, p_j (\delta_{jk} - p_k) = p_k\,(dp_k - \sum_j p_j\, dp_j)`: the
-#   same rule as the softmax backward of the first lesson. For the whole matrix,
-#   :math:`dS = P \circ (dP - \Delta)` with :math:`\Delta_i = \sum_j P_{ij}\, dP_{ij}`.
-# * :math:`\Delta_i` looks as if it needed the whole row of :math:`P`, which is never stored. It
-#   does not: substitute :math:`dP = dO\,V^T`,
-#
-#   .. math::
-#
-#      \Delta_i &= \sum_j P_{ij} \sum_d dO_{id} V_{jd} \\
-#               &= \sum_d dO_{id} \sum_j P_{ij} V_{jd} \\
-#               &= \sum_d dO_{id}\, O_{id},
-#
-#   a dot product of two rows that are already in memory. Triton's tutorial computes it in a
-#   small *preprocess* kernel before the main passes. In this lesson's default, two-pass
-#   backward it costs no kernel of its own; only the atomic backward keeps the preprocess (see
-#   "Who owns what").
-# * :math:`S = \mathrm{scale}\cdot QK^T` gives :math:`dQ = \mathrm{scale}\cdot dS\,K` and
-#   :math:`dK = \mathrm{scale}\cdot dS^T Q`.
-#
-# The backward recomputes each tile of :math:`P` from the row statistic the forward saved,
-# :math:`P = 2^{S \cdot \log_2 e - \mathrm{LSE}_2}` (already normalized, no division), and
-# multiplies: :math:`QK^T` again, then :math:`dV`, :math:`dP`, :math:`dK`, :math:`dQ`, five
-# products where the forward did two. (v1 instead divided :math:`dO` by :math:`\ell` in its
-# preprocess, so that the unnormalized :math:`e^{S - m}` could stand in for :math:`P`; saving
-# :math:`\mathrm{LSE}` makes that unnecessary.)
-#
-# Who owns what
-# -------------
-# The :math:`dK, dV` program owns a block of keys and walks the query blocks that can see them:
-# with causal masking, only those at or below the diagonal. At each query block it has
-# :math:`dS` in registers, and :math:`dS\,K` is exactly this key block's share of those rows'
-# :math:`dQ`. There are two ways to finish :math:`dQ`:
-#
-# * **Atomically** (``atomic_dq=True``, the paper's way): multiply :math:`dS\,K` right there and
-#   add it into an fp32 buffer with ``tl.atomic_add``. Five matrix products per block pair, the
-#   minimum. The price: traffic to the GPU's L2 cache for every addition, an fp32 buffer of
-#   :math:`BHND` elements, and a :math:`dQ` whose last bits depend on the order in which programs
-#   happened to add, so two runs can differ slightly. ``sem="relaxed"`` tells Triton that the
-#   additions need no ordering with other memory operations, only atomicity.
-# * **In a pass of its own** (the default): a :math:`dQ` program owns a block of queries and walks
-#   the key blocks it sees. It must recompute :math:`S` and :math:`dP`, two matrix products that
-#   the :math:`dK, dV` pass also does: seven products instead of five, 40% more tensor-core work,
-#   but no atomics, nothing extra in memory, and the same bits on every run.
-#
-# Both passes need :math:`\Delta`, and the :math:`dQ` pass decides where it comes from. A :math:`dQ`
-# program holds its rows of :math:`dO` anyway; it loads the same rows of :math:`O`, computes their
-# :math:`\Delta`, uses it, and stores it. So this pass runs *first*, and the :math:`dK, dV` pass,
-# which walks every query block and needs every row's :math:`\Delta`, reads what it stored. The
-# preprocess kernel is gone: one launch fewer per backward (launching it took 30 us of host time at
-# :math:`N = 1024` in an H100 probe, the engineering notes' row for ``c85df52``). The atomic
-# backward has no :math:`dQ` pass to fold it into, so it keeps the preprocess.
-#
-# In both, masking is needed only on the diagonal and on ragged edges: a query row past :math:`N`
-# is loaded as zeros, so its :math:`dO` and :math:`\Delta` are zero and it contributes nothing; a
-# key row past :math:`N` is loaded as zeros, so it adds nothing to :math:`dQ`, and its own
-# :math:`dK, dV` rows are never stored. The picture shows one program of each pass on the causal
-# grid of blocks: what it owns, and which blocks it walks.
-
-
-def draw_backward_passes(n_blocks=8, key_block=2, query_block=5):
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(8, 4.4))
-    titles = [f"dK, dV pass: one program owns key block {key_block}",
-              f"dQ pass: one program owns query block {query_block}"]
-    for ax, title, owns_keys in zip(axes, titles, (True, False)):
-        for i in range(n_blocks):  # query blocks, top to bottom
-            for j in range(i + 1):  # causal: key blocks at or left of the diagonal
-                walked = j == key_block if owns_keys else i == query_block
-                color = "#3b7dd8" if walked else "#dddddd"
-                ax.add_patch(plt.Rectangle((j, i), 0.94, 0.94, color=color, alpha=1.0 if walked else 0.7))
-                if walked and i == j:
-                    ax.text(j + 0.47, i + 0.5, "mask", ha="center", va="center", fontsize=10, color="white")
-        if owns_keys:
-            ax.annotate("", xy=(key_block + 0.47, n_blocks - 0.1), xytext=(key_block + 0.47, key_block + 0.9),
-                        arrowprops=dict(arrowstyle="->", lw=2, color="#c0392b"))
-            note = "walks down the query blocks;\nholds dK, dV in registers;\nadds dS K to dQ (atomic) or not"
-        else:
-            ax.annotate("", xy=(query_block - 0.05, query_block + 0.47), xytext=(0.05, query_block + 0.47),
-                        arrowprops=dict(arrowstyle="->", lw=2, color="#c0392b"))
-            note = "walks across the key blocks;\nholds dQ in registers;\nrecomputes S and dP"
-        ax.text(n_blocks - 0.1, 0.3, note, ha="right", va="top", fontsize=10)
-        ax.set(xlim=(0, n_blocks), ylim=(n_blocks, 0), xlabel="key block", ylabel="query block")
-        ax.set_title(title, fontsize=11)
-        ax.set_xticks([j + 0.47 for j in range(n_blocks)], range(n_blocks), fontsize=10)
-        ax.set_yticks([i + 0.47 for i in range(n_blocks)], range(n_blocks), fontsize=10)
-        ax.set_aspect("equal")
-    fig.tight_layout()
-    return fig
-
-
-if __name__ == "__main__":
-    draw_backward_passes()
-
-# %%
-# The kernels: the preprocess that computes :math:`\Delta` for the atomic backward, the
-# :math:`dK, dV` pass, and the :math:`dQ` pass, which the two-pass backward runs first.
-
-
-@triton.jit
-def attn_bwd_preprocess_kernel(O, DO, DELTA, H, N, sob, soh, son, sod, sdb, sdh, sdn, sdd,
-                               D: tl.constexpr, BLOCK_M: tl.constexpr):
-    bh = tl.program_id(1).to(tl.int64)  # b * stride can pass 2**31 elements
-    b, h = bh // H, bh % H
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    d = tl.arange(0, D)
-    ok = rows[:, None] < N
-    o = tl.load(O + b * sob + h * soh + rows[:, None] * son + d[None, :] * sod, mask=ok, other=0.0)
-    do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdn + d[None, :] * sdd, mask=ok, other=0.0)
-    tl.store(DELTA + bh * N + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1), mask=rows < N)
-
-
-@triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, sqn, sdn, LSE_bh, DELTA_bh, keys, lo, hi, N, sm_scale,
-                    qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-                    CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr):
-    for start_m in tl.range(lo, hi, BLOCK_M):
-        rows = start_m + tl.arange(0, BLOCK_M)
-        if MASKED:
-            q = tl.load(q_ptrs + rows[:, None] * sqn, mask=rows[:, None] < N, other=0.0)
-            do = tl.load(do_ptrs + rows[:, None] * sdn, mask=rows[:, None] < N, other=0.0)
-            lse = tl.load(LSE_bh + rows, mask=rows < N, other=0.0)
-            delta = tl.load(DELTA_bh + rows, mask=rows < N, other=0.0)
-        else:
-            q = tl.load(q_ptrs + rows[:, None] * sqn)
-            do = tl.load(do_ptrs + rows[:, None] * sdn)
-            lse = tl.load(LSE_bh + rows)
-            delta = tl.load(DELTA_bh + rows)
-        if k.dtype == tl.float32:  # interpreter bf16 workaround
-            q, do = q.to(tl.float32), do.to(tl.float32)
-        pt = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])  # P^T: (keys, queries)
-        if MASKED and CAUSAL:
-            pt = tl.where(keys[:, None] <= rows[None, :], pt, 0.0)
-        dv = tl.dot(pt.to(do.dtype), do, dv)
-        dpt = tl.dot(v, tl.trans(do))
-        dst = (pt * (dpt - delta[None, :])).to(q.dtype)
-        dk = tl.dot(dst, q, dk)
-        if ATOMIC_DQ:
-            # This key block's share of dQ for these query rows, added to an fp32 buffer that every
-            # key block of the head adds to as well: the fifth matrix product, no dQ pass.
-            dq = tl.dot(tl.trans(dst), k) * sm_scale
-            if MASKED:
-                tl.atomic_add(dq_ptrs + rows[:, None] * D, dq, mask=rows[:, None] < N, sem="relaxed")
-            else:
-                tl.atomic_add(dq_ptrs + rows[:, None] * D, dq, sem="relaxed")
-    return dk, dv
-
-
-@triton.jit
-def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, DQ, DK, DV, LSE, DELTA, sm_scale, qk_scale, H, N, N_BUCKET,
-    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdn, sdd,
-    D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    start_n = tl.program_id(0) * BLOCK_N
-    bh = tl.program_id(1).to(tl.int64)  # b * stride can pass 2**31 elements
-    b, h = bh // H, bh % H
-    keys = start_n + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, D)
-    key_ok = keys[:, None] < N
-    k = tl.load(K + b * skb + h * skh + keys[:, None] * skn + d[None, :] * skd, mask=key_ok, other=0.0)
-    v = tl.load(V + b * svb + h * svh + keys[:, None] * svn + d[None, :] * svd, mask=key_ok, other=0.0)
-    if UPCAST_DOT:
-        k, v = k.to(tl.float32), v.to(tl.float32)
-    q_ptrs = Q + b * sqb + h * sqh + d[None, :] * sqd
-    do_ptrs = DO + b * sdb + h * sdh + d[None, :] * sdd
-    dq_ptrs = DQ + bh * N * D + d[None, :]  # the fp32 dQ buffer: contiguous, D elements per row
-    LSE_bh, DELTA_bh = LSE + bh * N, DELTA + bh * N
-    dk = tl.zeros([BLOCK_N, D], tl.float32)
-    dv = tl.zeros([BLOCK_N, D], tl.float32)
-    full = (N // BLOCK_M) * BLOCK_M  # query rows below this need no bounds mask
-    if CAUSAL:
-        # Query blocks that cross this key block's diagonal need the mask; those below do not.
-        past_diag = tl.minimum(start_n + BLOCK_N, N)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, sqn, sdn, LSE_bh, DELTA_bh, keys,
-                                 start_n, past_diag, N, sm_scale, qk_scale, D, BLOCK_M, True, CAUSAL, ATOMIC_DQ)
-        lo = start_n + BLOCK_N
-    else:
-        lo = 0
-    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, sqn, sdn, LSE_bh, DELTA_bh, keys,
-                             lo, tl.maximum(lo, full), N, sm_scale, qk_scale, D, BLOCK_M, False, CAUSAL, ATOMIC_DQ)
-    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, dq_ptrs, sqn, sdn, LSE_bh, DELTA_bh, keys,
-                             tl.maximum(lo, full), N, N, sm_scale, qk_scale, D, BLOCK_M, True, False, ATOMIC_DQ)
-    out = bh * N * D + keys[:, None] * D + d[None, :]
-    tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok)
-    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=key_ok)
-
-
-@triton.jit
-def _bwd_dq_inner(dq, q, do, lse, delta, kt_ptrs, vt_ptrs, skn, svn, rows, lo, hi, N, qk_scale,
-                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
-    for start_n in tl.range(lo, hi, BLOCK_N):
-        keys = start_n + tl.arange(0, BLOCK_N)
-        if MASKED:
-            kt = tl.load(kt_ptrs + keys[None, :] * skn, mask=keys[None, :] < N, other=0.0)
-            vt = tl.load(vt_ptrs + keys[None, :] * svn, mask=keys[None, :] < N, other=0.0)
-        else:
-            kt = tl.load(kt_ptrs + keys[None, :] * skn)
-            vt = tl.load(vt_ptrs + keys[None, :] * svn)
-        if q.dtype == tl.float32:  # interpreter bf16 workaround
-            kt, vt = kt.to(tl.float32), vt.to(tl.float32)
-        p = tl.math.exp2(tl.dot(q, kt) * qk_scale - lse[:, None])
-        if MASKED and CAUSAL:
-            p = tl.where(keys[None, :] <= rows[:, None], p, 0.0)
-        dp = tl.dot(do, vt)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq)
-    return dq
-
-
-@triton.jit
-def attn_bwd_dq_kernel(
-    Q, K, V, O, DO, DQ, LSE, DELTA, sm_scale, qk_scale, H, N, N_BUCKET,
-    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod, sdb, sdh, sdn, sdd,
-    D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    # This kernel's query block is BLOCK_N rows and its key block BLOCK_M: the dK, dV pass's names
-    # turned round, so that one list of (small, large) candidate pairs serves both passes.
-    start_m = (tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)) * BLOCK_N  # as in the forward
-    bh = tl.program_id(1).to(tl.int64)  # b * stride can pass 2**31 elements
-    b, h = bh // H, bh % H
-    rows = start_m + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, D)
-    row_ok = rows < N
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqn + d[None, :] * sqd, mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + b * sdb + h * sdh + rows[:, None] * sdn + d[None, :] * sdd, mask=row_ok[:, None], other=0.0)
-    o = tl.load(O + b * sob + h * soh + rows[:, None] * son + d[None, :] * sod, mask=row_ok[:, None], other=0.0)
-    # These rows' Delta, for this pass and, stored, for the dK, dV pass that runs next.
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(DELTA + bh * N + rows, delta, mask=row_ok)
-    if UPCAST_DOT:
-        q, do = q.to(tl.float32), do.to(tl.float32)
-    lse = tl.load(LSE + bh * N + rows, mask=row_ok, other=0.0)
-    kt_ptrs = K + b * skb + h * skh + d[:, None] * skd
-    vt_ptrs = V + b * svb + h * svh + d[:, None] * svd
-    dq = tl.zeros([BLOCK_N, D], tl.float32)
-    if CAUSAL:
-        diag = start_m
-        dq = _bwd_dq_inner(dq, q, do, lse, delta, kt_ptrs, vt_ptrs, skn, svn, rows, 0, diag, N, qk_scale,
-                           BLOCK_M, False, CAUSAL)
-        dq = _bwd_dq_inner(dq, q, do, lse, delta, kt_ptrs, vt_ptrs, skn, svn, rows, diag,
-                           tl.minimum(diag + BLOCK_N, N), N, qk_scale, BLOCK_M, True, CAUSAL)
-    else:
-        full = (N // BLOCK_M) * BLOCK_M
-        dq = _bwd_dq_inner(dq, q, do, lse, delta, kt_ptrs, vt_ptrs, skn, svn, rows, 0, full, N, qk_scale,
-                           BLOCK_M, False, CAUSAL)
-        dq = _bwd_dq_inner(dq, q, do, lse, delta, kt_ptrs, vt_ptrs, skn, svn, rows, full, N, N, qk_scale,
-                           BLOCK_M, True, CAUSAL)
-    tl.store(DQ + bh * N * D + rows[:, None] * D + d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
-             mask=row_ok[:, None])
-
-
-# %%
-# In the :math:`dQ` kernel the roles of the two block sizes swap: it owns the large block (of
-# queries) and walks the small one (of keys), just as the :math:`dK, dV` kernel owns the large
-# block of keys. One list of candidate pairs serves both, and each kernel gets its own measured pick.
-#
 # A note on the interpreter (of Triton 3.9, which the pinned requirements install; a GPU build of
 # this page may use another Triton, printed above its benchmark): it stores bf16
 # values as 16-bit integers and multiplies those integers inside ``tl.dot``. The kernels take an
@@ -688,14 +409,14 @@ def attn_bwd_dq_kernel(
 # they see); the launcher sets it only for bf16 under the interpreter, so compiled GPU code never
 # pays for it.
 #
-# The launcher and autograd
-# -------------------------
-# Each kernel runs with the configuration that the table above gives for its case, or, where no
+# The launcher
+# ------------
+# The kernel runs with the configuration that the table above gives for its case, or, where no
 # measurement applies, the autotuner's pick; under the interpreter, with its one configuration.
-# ``attention`` checks its inputs, and an autograd function calls the forward and, when PyTorch
-# asks for gradients, the backward. The forward and the backward are also plain functions
-# (``forward``, ``backward_delta``, ``backward``): the two Hopper lessons that follow reuse them.
-# ``backward_delta`` is the preprocess, for the backwards that need :math:`\Delta` before they start.
+# ``forward`` launches it and returns :math:`O` and the row statistic :math:`\mathrm{LSE}_2` that the
+# backward needs; the next lesson and the Hopper lessons reuse it. ``attention`` checks its inputs
+# first: it is what a user calls for inference. Its autograd function has no backward yet, and says
+# so when asked for gradients; the next lesson's ``attention`` has one.
 #
 # At short lengths the host's work per call matters as much as the GPU's (lesson 07's section "Host
 # time and GPU time at the smallest size" measures both). One large piece is Triton's JIT dispatch:
@@ -708,20 +429,18 @@ def attn_bwd_dq_kernel(
 # compiled kernel's own launcher. (Only launches with a known configuration keep plans: a case that
 # the table does not cover, fp8 among them, goes through the autotuner and the JIT on every call.)
 
-if ON_GPU:
-    _fwd = triton.autotune(_configs(FWD_SHAPES), key=["D", "CAUSAL", "N_BUCKET"],
-                           prune_configs_by={"early_config_prune": _prune_fwd})(attn_fwd_kernel)
-    # Timing a configuration runs the kernel, and with ATOMIC_DQ that adds to the dQ buffer:
-    # reset_to_zero clears it before each trial and before the real call. The two-pass dK, dV pass
-    # gets its own tuner without it, since there DQ holds the dQ pass's finished result.
-    _dkdv_atomic = triton.autotune(_configs(BWD_SHAPES), key=["D", "CAUSAL", "ATOMIC_DQ", "N_BUCKET"],
-                                   reset_to_zero=["DQ"], prune_configs_by={"early_config_prune": _prune_bwd}
-                                   )(attn_bwd_dkdv_kernel)
-    _dkdv = triton.autotune(_configs(BWD_SHAPES), key=["D", "CAUSAL", "ATOMIC_DQ", "N_BUCKET"],
-                            prune_configs_by={"early_config_prune": _prune_bwd})(attn_bwd_dkdv_kernel)
-    _dq = triton.autotune(_configs(BWD_SHAPES), key=["D", "CAUSAL", "N_BUCKET"],
-                          prune_configs_by={"early_config_prune": _prune_bwd})(attn_bwd_dq_kernel)
-    TUNERS = {"fwd": _fwd, "dkdv": _dkdv, "dkdv-atomic": _dkdv_atomic, "dq": _dq}
+
+
+def autotuned(kernel, shapes, prune, key, **options):
+    """kernel under triton.autotune over shapes, for a GPU that the table does not cover; None under the
+    interpreter, which runs one configuration."""
+    if not ON_GPU:
+        return None
+    return triton.autotune(_configs(shapes), key=key, prune_configs_by={"early_config_prune": prune},
+                           **options)(kernel)
+
+
+FWD_TUNER = autotuned(attn_fwd_kernel, FWD_SHAPES, _prune_fwd, ["D", "CAUSAL", "N_BUCKET"])
 
 
 PLANS = {}  # plan key -> replay(*fresh arguments)
@@ -756,15 +475,16 @@ def launch_planned(key, kernel, grid, fresh, args, constexprs, **options):
     PLANS[key] = lambda *values: run(*values, *rest)
 
 
-def _launch(kernel, name, key, case, grid, fresh, *args, **meta):
-    """Run kernel with the configuration measured for this case, else (a GPU the table does not cover)
-    let the autotuner pick one; grid(BLOCK_M, BLOCK_N) is the launch grid, key and fresh as for launch_planned."""
+def _launch(kernel, tuner, name, key, case, grid, fresh, *args, **meta):
+    """Run kernel with the configuration measured for this case, else (a GPU the table does not cover) let
+    its tuner pick one; name is its name in the table, grid(BLOCK_M, BLOCK_N) the launch grid, key and fresh as
+    for launch_planned."""
     if not ON_GPU:
         config = INTERPRETER_CONFIGS[name]
     else:
         config = TUNED_CONFIGS.get((name, *case)) if case else None
     if config is None:
-        V1.launch(TUNERS[name], lambda m: grid(m["BLOCK_M"], m["BLOCK_N"]), *args, **meta)
+        V1.launch(tuner, lambda m: grid(m["BLOCK_M"], m["BLOCK_N"]), *args, **meta)
     else:
         block_m, block_n, warps, stages = config
         launch_planned(key, kernel, grid(block_m, block_n), fresh, args,
@@ -783,7 +503,7 @@ def forward(q, k, v, causal, sm_scale):
     lse = torch.empty((B * H, N), dtype=torch.float32, device=q.device)
     if q.dtype == torch.float8_e5m2 and v.stride(2) != 1 and N > 1:
         v = keys_contiguous(v)  # lesson 07, "fp8 on Hopper: the layout of V", says why
-    _launch(attn_fwd_kernel, "fwd", plan_key(q, k, v), tuned_case(q, causal),
+    _launch(attn_fwd_kernel, FWD_TUNER, "fwd", plan_key(q, k, v), tuned_case(q, causal),
             lambda bm, bn: (host_cdiv(N, bm), B * H), 6, q, k, v, o, lse, sm_scale * LOG2E, H, N,
             host_next_power_of_2(N), *q.stride(), *k.stride(), *v.stride(), *o.stride(), D=D, CAUSAL=causal,
             UPCAST_DOT=_upcast(q), NEGATIVE_SCALE=sm_scale < 0)
@@ -795,94 +515,45 @@ def _upcast(q):
     return (not ON_GPU) and q.dtype == torch.bfloat16
 
 
-def backward_delta(o, do):
-    """Delta = rowsum(dO * O) in fp32, shape (B * H, N): the preprocess kernel, for the atomic backward
-    and lesson 08's."""
-    B, H, N, D = o.shape
-    delta = torch.empty((B * H, N), dtype=torch.float32, device=o.device)
-    launch_planned(plan_key(o, do), attn_bwd_preprocess_kernel, (host_cdiv(N, 64), B * H), 3,
-                   (o, do, delta, H, N, *o.stride(), *do.stride()), dict(D=D, BLOCK_M=64))
-    return delta
-
-
-def backward(q, k, v, o, do, lse, causal, sm_scale, atomic_dq):
-    """dQ, dK, dV from the portable kernels: the two-pass backward (the dQ pass, which also computes Delta,
-    then the dK, dV pass), or with atomic_dq the preprocess and one dK, dV pass that adds into dQ."""
-    B, H, N, D = q.shape
-    dk = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
-    dv = torch.empty_like(dk)
-    scales = (sm_scale, sm_scale * LOG2E, H, N, host_next_power_of_2(N))
-    meta = dict(D=D, CAUSAL=causal, UPCAST_DOT=_upcast(q))
-    case = tuned_case(q, causal)
-    grid = lambda bm, bn: (host_cdiv(N, bn), B * H)  # noqa: E731
-    if atomic_dq:
-        # dQ is summed in fp32: adding fp16 partial sums would lose bits at every add.
-        dq = torch.zeros((B, H, N, D), dtype=torch.float32, device=q.device)
-        delta = backward_delta(o, do)
-    else:
-        dq = torch.empty_like(dk)
-        delta = torch.empty((B * H, N), dtype=torch.float32, device=q.device)
-        _launch(attn_bwd_dq_kernel, "dq", plan_key(q, k, v, o, do), case, grid, 10, q, k, v, o, do, dq, lse, delta,
-                *scales, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *do.stride(), **meta)
-    _launch(attn_bwd_dkdv_kernel, "dkdv-atomic" if atomic_dq else "dkdv", plan_key(q, k, v, do), case, grid, 11, q, k,
-            v, do, dq, dk, dv, lse, delta, *scales, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-            ATOMIC_DQ=atomic_dq, **meta)
-    return (dq.to(q.dtype) if atomic_dq else dq), dk, dv
-
-
-class _AttentionV2(torch.autograd.Function):
+class _ForwardOnly(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, sm_scale, atomic_dq):
-        o, lse = forward(q, k, v, causal, sm_scale)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.sm_scale, ctx.atomic_dq = causal, sm_scale, atomic_dq
-        return o
+    def forward(ctx, q, k, v, causal, sm_scale):
+        return forward(q, k, v, causal, sm_scale)[0]
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        do = resolved_gradient(do)
-        return *backward(q, k, v, o, do, lse, ctx.causal, ctx.sm_scale, ctx.atomic_dq), None, None, None
+        raise NotImplementedError("this lesson's attention has no backward: the next lesson's attention "
+                                  "(06-fused-attention-v2-backward.py) adds it")
 
 
-def attention(q, k, v, causal, sm_scale, atomic_dq=False):
-    """FlashAttention-2: softmax(q k^T * sm_scale) v over (batch, heads, sequence, head_dim) tensors.
-
-    ``atomic_dq`` picks how the backward sums dQ. False: in a pass of its own, the same bits every run.
-    True: inside the dK, dV pass, with FlashAttention-2's atomic additions: fewer matrix products,
-    but dQ's rounding varies from run to run.
-    """
+def attention(q, k, v, causal, sm_scale):
+    """FlashAttention-2's forward: softmax(q k^T * sm_scale) v over (batch, heads, sequence, head_dim) tensors."""
     check_inputs(q, k, v, causal, sm_scale, fp8=True)
-    if not isinstance(atomic_dq, bool):
-        raise TypeError(f"atomic_dq must be True or False, got {atomic_dq!r}")
-    return _AttentionV2.apply(*resolved(q, k, v), causal, float(sm_scale), atomic_dq)
+    return _ForwardOnly.apply(*resolved(q, k, v), causal, float(sm_scale))
 
 
 # %%
 # Correctness
 # -----------
-# Right after the kernels, before any timing: the forward and all three gradients against float64
-# PyTorch on fresh random inputs, causal and not, both ways of computing :math:`dQ`, at a sequence
-# length one past a block boundary, and with ``q`` made by transposing a (batch, sequence, heads,
-# dim) tensor, so that its strides are not the contiguous ones. The check is lesson 04's
-# ``check_against_float64``, which fails on NaN or infinity anywhere and names what is off.
+# Right after the kernel, before any timing: the forward against float64 PyTorch on fresh random
+# inputs, causal and not, at a sequence length one past a block boundary, and with ``q`` made by
+# transposing a (batch, sequence, heads, dim) tensor, so that its strides are not the contiguous
+# ones. The check is lesson 04's ``check_against_float64``, which fails on NaN or infinity anywhere
+# and names what is off.
 
 
 if __name__ == "__main__":
     torch.manual_seed(0)
     B, H, N, D = 2, 3, 129 if ON_GPU else 65, 64
-    cases = {(causal, atomic_dq): (torch.randn(B, N, H, D, device=DEVICE, dtype=torch.float16).transpose(1, 2),
-                                   *(torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16) for _ in range(2)))
-             for causal in (False, True) for atomic_dq in (False, True)}  # q strided
-    # Every kernel the checks launch, compiled first on all CPU cores (lesson 04's compile_ahead).
-    V1.compile_ahead(lambda: [V1.forward_and_backward(functools.partial(attention, atomic_dq=atomic_dq), *qkv,
-                                                      causal, D ** -0.5) for (causal, atomic_dq), qkv in cases.items()])
-    for (causal, atomic_dq), (q, k, v) in cases.items():
-        errors = check_against_float64(functools.partial(attention, atomic_dq=atomic_dq), q, k, v, causal,
-                                       D ** -0.5, f"05-fused-attention-v2, causal={causal}, atomic_dq={atomic_dq}")
-        print(f"causal={causal!s:5}, atomic_dq={atomic_dq!s:5}, N={N}: "
-              + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+    cases = {causal: (torch.randn(B, N, H, D, device=DEVICE, dtype=torch.float16).transpose(1, 2),
+                      *(torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16) for _ in range(2)))
+             for causal in (False, True)}  # q strided
+    # The kernels the checks launch, compiled first on all CPU cores (lesson 04's compile_ahead).
+    V1.compile_ahead(lambda: [attention(*qkv, causal, D ** -0.5) for causal, qkv in cases.items()])
+    for causal, (q, k, v) in cases.items():
+        errors = check_against_float64(attention, q, k, v, causal, D ** -0.5,
+                                       f"05-fused-attention-v2-forward, causal={causal}", backward=False)
+        print(f"causal={causal!s:5}, N={N}: " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
 
 # %%
 # Mistakes learners make, and the test that catches each
@@ -890,37 +561,35 @@ if __name__ == "__main__":
 # Versions of this kernel written from scratch, and even the published tutorial, share a handful
 # of bugs. Each is caught by a test in this project's suite (``tests/test_attention.py``):
 #
-# * **dO loaded through O's pointers.** A from-scratch backward that reuses the output's pointer
-#   block to load the upstream gradient computes the gradient of the wrong function. It runs, and
-#   the loss even goes down. Caught by comparing every gradient with float64 autograd on a random
-#   :math:`dO` (never on :math:`dO = 1` or :math:`dO = O`, which can hide it).
 # * **Q.shape(3).** ``shape`` is a tuple, not a function: ``Q.shape[3]``. The launcher fails before
 #   any kernel runs; caught by any test that runs the code at all.
 # * **The row statistics allocated on the CPU** (the upstream tutorial's ``M``, this lesson's
 #   LSE). ``torch.empty(...)`` without ``device=`` hands a host pointer to a GPU kernel: a crash
 #   or silent garbage. Here every buffer is created with ``device=q.device``, and the input checks
 #   refuse tensors on different devices.
-# * **A backward that ignores** ``causal=False``. The published v2 tutorial computed the causal
-#   gradient whatever it was asked; the forward was right, so only a gradient test of the
-#   non-causal case sees it. The tests run both modes.
 # * **Sequence lengths that must be a multiple of 128.** Unmasked loads read past the end of the
 #   tensors. Here the ragged edge is masked; the tests use :math:`N = 1, 77, 300` and one past a
 #   block boundary.
 # * **Contiguity assumed.** Computing offsets as ``row * D + col`` breaks on a transposed view.
-#   The kernels take every stride, and the tests feed transposed inputs.
+#   The kernel takes every stride, and the tests feed transposed inputs.
+# * **A scale taken to be positive.** The unmasked loop finds each row's largest scaled score
+#   without scaling every score first; with a negative ``sm_scale`` the largest scaled score is the
+#   smallest raw one (``NEGATIVE_SCALE``). The tests run a negative scale.
 
 # %%
 # Benchmark
 # ---------
-# TFLOP/s, forward and backward, causal and not, on a GPU at :math:`D = 64` (:math:`B = 4, H = 32`)
-# and :math:`D = 128` (:math:`B = 4, H = 16`), under the interpreter at :math:`B = 1` and a head
-# or two of two short sequences; against PyTorch SDPA's cuDNN and flash backends (the math backend
-# under the interpreter) and the v1 kernel of the previous lesson, with lesson 04's harness. The
-# ceiling is the matrix-multiply rate measured in this run.
+# TFLOP/s of the forward, causal and not, on a GPU at :math:`D = 64` (:math:`B = 4, H = 32`) and
+# :math:`D = 128` (:math:`B = 4, H = 16`), under the interpreter at :math:`B = 1` and a head or two
+# of two short sequences; against PyTorch SDPA's cuDNN and flash backends (the math backend under
+# the interpreter) and the v1 kernel of the previous lesson, with lesson 04's harness. The ceiling
+# is the matrix-multiply rate measured in this run.
 
 PEERS = ("SDPA cuDNN", "SDPA flash") if ON_GPU else ("SDPA math",)
 OURS = "Triton v2 (this lesson)"
-ATOMIC = "Triton v2, atomic dQ"  # the backward with FlashAttention-2's atomic additions
+V1_NAME = "Triton v1 (lesson 04)"
+CASES, SIZES = ([(4, 32, 64), (4, 16, 128)], [1024, 2048, 4096, 8192, 16384]) if ON_GPU else (
+    [(1, 2, 64), (1, 1, 128)], [64, 128])
 
 
 def providers_for(causal, D):
@@ -928,13 +597,23 @@ def providers_for(causal, D):
     scale = D ** -0.5
     providers = {OURS: lambda q, k, v: attention(q, k, v, causal, scale)}
     providers.update(sdpa_providers(causal, scale, PEERS))
-    providers["Triton v1 (lesson 04)"] = lambda q, k, v: V1.attention(q, k, v, causal, scale)
+    providers[V1_NAME] = lambda q, k, v: V1.attention(q, k, v, causal, scale)
     return providers
 
 
-def atomic_provider(q, k, v, causal, D):
-    """The backward with atomic dQ, timed beside the two-pass one."""
-    return {(ATOMIC, "bwd"): functools.partial(attention, causal=causal, sm_scale=D ** -0.5, atomic_dq=True)}
+def against_peers(table, peak, ours, peers):
+    """One line per (head dim, masking, pass), computed from table (TFLOP/s): ours against the fastest of
+    peers, and against v1 where it ran."""
+    lines = []
+    for (D, causal, mode), part in table.groupby(level=["D", "causal", "mode"], sort=False):
+        ratio = part[ours] / part[peers].max(axis=1)
+        line = (f"D={D:3d} {'causal    ' if causal else 'non-causal'} {mode}: v2 is {ratio.min():.2f}x to "
+                f"{ratio.max():.2f}x the fastest SDPA backend, up to {part[ours].max() / peak:.0%} of the matmul rate")
+        if V1_NAME in part:
+            v1 = part[ours] / part[V1_NAME]
+            line += f"; {v1.min():.1f}x to {v1.max():.1f}x v1"
+        lines.append(line)
+    return lines
 
 
 # %%
@@ -949,21 +628,16 @@ if __name__ == "__main__":
     import matplotlib.pyplot as plt
     import pandas as pd
 
-    if ON_GPU:
-        cases, sizes = [(4, 32, 64), (4, 16, 128)], [1024, 2048, 4096, 8192, 16384]
-    else:
-        cases, sizes = [(1, 2, 64), (1, 1, 128)], [64, 128]
     peak = matmul_tflops()
     print(f"{V1.CEILING_NAME}, measured now: {peak:.3g} TFLOP/s")
-    results = pd.DataFrame(run_benchmark(cases, sizes, providers_for, ("fwd", "bwd"), atomic_provider))
+    results = pd.DataFrame(run_benchmark(CASES, SIZES, providers_for, ("fwd",)))
     table = results.pivot_table(index=["D", "causal", "mode", "N"], columns="provider", values="value", sort=False)
     plot_mode(table, "fwd", peak, "Forward pass")
-    plot_mode(table, "bwd", peak, "Backward pass")
     plt.show()
 
 # %%
-# The table: every provider's speed in TFLOP/s, by head dimension, masking, pass and sequence
-# length (the plots above draw the same numbers).
+# The table: every provider's speed in TFLOP/s, by head dimension, masking and sequence length (the
+# plot above draws the same numbers).
 
 results_table(results) if __name__ == "__main__" else None
 
@@ -971,66 +645,42 @@ results_table(results) if __name__ == "__main__" else None
 # Reading the numbers
 # -------------------
 # Computed from the table above, in this run: v2 against the strongest PyTorch backend (cuDNN where
-# it runs) and against v1; the two ways of finishing :math:`dQ` against each other; the rate at
-# which the two-pass backward really multiplies matrices (it executes seven products where the
-# FLOP count credits five); and how far the repeated timings spread, the yardstick for which
+# it runs) and against v1, and how far the repeated timings spread, the yardstick for which
 # differences mean anything.
 
 if __name__ == "__main__":
     peers = [c for c in PEERS if c in table]
-    for (D, causal, mode), part in table.groupby(level=["D", "causal", "mode"], sort=False):
-        ratio = part[OURS] / part[peers].max(axis=1)
-        line = (f"D={D:3d} {'causal    ' if causal else 'non-causal'} {mode}: v2 is {ratio.min():.2f}x to "
-                f"{ratio.max():.2f}x the fastest SDPA backend, up to {part[OURS].max() / peak:.0%} of the matmul rate")
-        if "Triton v1 (lesson 04)" in part:
-            v1 = part[OURS] / part["Triton v1 (lesson 04)"]
-            line += f"; {v1.min():.1f}x to {v1.max():.1f}x v1"
-        print(line)
-        if mode == "bwd":
-            atomic = part[ATOMIC] / part[OURS]
-            executed = 7 / 5 * part[OURS].max()
-            print(f"    atomic dQ is {atomic.min():.2f}x to {atomic.max():.2f}x the two-pass backward (faster at "
-                  f"{(atomic > 1).sum()} of {len(atomic)} sizes); the two-pass backward multiplies matrices at up "
-                  f"to {executed:.3g} TFLOP/s, {executed / peak:.0%} of the matmul rate")
+    print("\n".join(against_peers(table, peak, OURS, peers)))
     if ROUNDS > 1:
         print(spread_summary(results))
     else:
         print("These are interpreter timings: they measure NumPy on the CPU, not GPU kernels.")
-    save_results("05-fused-attention-v2", [{
-        "name": f"attention v2 {mode}", "unit": "TFLOP/s", "ceiling_name": V1.CEILING_NAME, "ceiling": peak,
-        "ours": [OURS] + ([ATOMIC] if mode == "bwd" else []), "peers": peers,
-        "rows": [r for r in results.drop(columns="spread").to_dict("records") if r["mode"] == mode]}
-        for mode in ("fwd", "bwd")])
+    save_results("05-fused-attention-v2-forward", [{
+        "name": "attention v2 fwd", "unit": "TFLOP/s", "ceiling_name": V1.CEILING_NAME, "ceiling": peak,
+        "ours": [OURS], "peers": peers, "rows": results.drop(columns="spread").to_dict("records")}])
 
 # %%
 # Which tiles ran
 # ---------------
-# The tile shapes behind the benchmark at :math:`D = 128` (``BLOCK_M x BLOCK_N``; the :math:`dQ`
-# kernel owns ``BLOCK_N`` queries and walks ``BLOCK_M`` keys): from the table where it covers this
-# GPU, otherwise the autotuner's picks in this run. A :math:`dK, dV` program with 128 keys keeps
-# two 128 x 128 fp32 accumulators, 128 KiB: spread over 8 warps (256 threads) that is 128 of the
-# 255 registers a thread may have, before the tiles in flight. A program with half the keys and
-# one warp group of 4 warps holds the same 128 registers of accumulators per thread, but is small
-# enough that two fit on one SM, where each can run its matrix products while the other waits.
-# Which wins is for the sweep to measure.
-
-KERNEL_NAMES = {"fwd": "forward", "dkdv": "dK, dV", "dkdv-atomic": "dK, dV (atomic dQ)", "dq": "dQ"}
+# The tile shapes behind the benchmark at :math:`D = 128` (``BLOCK_M x BLOCK_N``): from the table
+# where it covers this GPU, otherwise the autotuner's picks in this run.
 
 
-def tiles_that_ran(D, sizes):
-    """{kernel and masking: {N: configuration}} at head dim D, as text: the table's, or the autotuner's."""
-    def text(block_m, block_n, warps, stages):
-        return f"{block_m}x{block_n}, {warps} warps, {stages} stages"
+def config_text(block_m, block_n, warps, stages):
+    return f"{block_m}x{block_n}, {warps} warps, {stages} stages"
 
+
+def tiles_that_ran(D, sizes, kernels):
+    """{kernel and masking: {N: configuration}} at head dim D, as text, for kernels ({name in the table:
+    (label, its tuner)}): the table's, or the autotuner's."""
     picks = {}
-    for name, label in KERNEL_NAMES.items():
+    for name, (label, tuner) in kernels.items():
         for causal in (False, True):
             row = f"{label}, {'causal' if causal else 'non-causal'}"
             for N in sizes:
                 case = tuned_case(torch.empty(1, 1, N, D, dtype=torch.float16, device=DEVICE), causal)
                 config = TUNED_CONFIGS.get((name, *case)) if case else None
-                if config is None and ON_GPU:  # the autotuner's pick, if this run made one
-                    tuner = TUNERS[name]
+                if config is None and tuner is not None:  # the autotuner's pick, if this run made one
                     key = {"D": D, "CAUSAL": causal, "N_BUCKET": triton.next_power_of_2(N),
                            "ATOMIC_DQ": name == "dkdv-atomic"}
                     for cached, choice in tuner.cache.items():
@@ -1039,21 +689,29 @@ def tiles_that_ran(D, sizes):
                             config = (choice.kwargs["BLOCK_M"], choice.kwargs["BLOCK_N"], choice.num_warps,
                                       choice.num_stages)
                 if config is not None:
-                    picks.setdefault(row, {})[f"N = {N}"] = text(*config)
+                    picks.setdefault(row, {})[f"N = {N}"] = config_text(*config)
     return picks
 
 
-if __name__ == "__main__":
-    choices = pd.DataFrame(tiles_that_ran(128, sizes)).T
+def where_tiles_came_from(names):
+    """A sentence: the table (with its provenance and how many compilations it costs these kernels), the
+    autotuner, or the interpreter's one configuration."""
     if not ON_GPU:
-        print(f"Under the interpreter nothing is tuned: one configuration per kernel ran, {INTERPRETER_CONFIGS}.")
-    elif TUNED_ON and tuned_case(torch.empty(1, 1, 1, 128, dtype=torch.float16, device=DEVICE), False):
-        distinct = {(name, D, causal, config) for (name, D, causal, _), config in TUNED_CONFIGS.items()}
-        print(f"From the table, measured on {TUNED_ON['gpu']} with torch {TUNED_ON['torch']} and Triton "
-              f"{TUNED_ON['triton']} on {TUNED_ON['date']}. For its {len(TUNED_CONFIGS)} cases (kernel, head dim, "
-              f"masking, length) it names {len(distinct)} distinct configurations: one compilation each, per dtype.")
-    else:
-        print("The table does not cover this GPU: the autotuner picked these in this run.")
+        return ("Under the interpreter nothing is tuned: one configuration per kernel ran, "
+                + ", ".join(f"{name} {config_text(*INTERPRETER_CONFIGS[name])}" for name in names) + ".")
+    if TUNED_ON and tuned_case(torch.empty(1, 1, 1, 128, dtype=torch.float16, device=DEVICE), False):
+        rows = {key: config for key, config in TUNED_CONFIGS.items() if key[0] in names}
+        distinct = {(name, D, causal, config) for (name, D, causal, _), config in rows.items()}
+        return (f"From the table, measured on {TUNED_ON['gpu']} with torch {TUNED_ON['torch']} and Triton "
+                f"{TUNED_ON['triton']} on {TUNED_ON['date']}. For these kernels' {len(rows)} cases (kernel, head "
+                f"dim, masking, length) it names {len(distinct)} distinct configurations: one compilation each, "
+                "per dtype.")
+    return "The table does not cover this GPU: the autotuner picked these in this run."
+
+
+if __name__ == "__main__":
+    choices = pd.DataFrame(tiles_that_ran(128, SIZES, {"fwd": ("forward", FWD_TUNER)})).T
+    print(where_tiles_came_from(["fwd"]))
 
 choices if __name__ == "__main__" and not choices.empty else None
 
@@ -1068,11 +726,7 @@ choices if __name__ == "__main__" and not choices.empty else None
 #    ``start_m + i`` may see key ``start_n + j`` under causal masking, and both exist (index below
 #    ``n``). Then ``check_causal_block_mask(causal_block_mask)``. Compare your answer with
 #    ``block_kinds``: a pair whose mask is all True needs no mask in the kernel.
-# 2. **One row's backward, by hand.** Using only the derivation above, write
-#    ``one_row_backward(q, K, V, do, scale)`` for a single query row ``q`` of shape ``(D,)``, keys
-#    and values ``(N, D)`` and the gradient ``do`` of its output, returning ``(dq, dK, dV)`` (no
-#    autograd). Then ``check_one_row_backward(one_row_backward)``.
-# 3. **A key-padding mask.** Batches often hold sequences of different lengths, padded to one
+# 2. **A key-padding mask.** Batches often hold sequences of different lengths, padded to one
 #    ``N``. Write ``padded_attention(q, k, v, key_lengths, sm_scale)`` in which batch ``b`` sees
 #    only its first ``key_lengths[b]`` keys (at least 1), forward only, by giving the forward kernel
 #    one more argument. Then ``check_padded_attention(padded_attention)``.
@@ -1100,26 +754,6 @@ def check_causal_block_mask(fn):
     print("causal_block_mask is right on 50 random block pairs.")
 
 
-def check_one_row_backward(fn):
-    """Your one_row_backward against float64 autograd, on 10 random rows of random sizes."""
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
-    for _ in range(10):
-        N, D = int(torch.randint(1, 40, (), generator=gen)), int(torch.randint(1, 17, (), generator=gen))
-        q, do = torch.randn(D, generator=gen, dtype=torch.float64), torch.randn(D, generator=gen, dtype=torch.float64)
-        K, V = (torch.randn(N, D, generator=gen, dtype=torch.float64) for _ in range(2))
-        scale = float(torch.rand((), generator=gen)) + 0.1
-        leaves = [t.clone().requires_grad_() for t in (q, K, V)]
-        out = torch.softmax(leaves[1] @ leaves[0] * scale, dim=0) @ leaves[2]
-        want = torch.autograd.grad(out, leaves, do)
-        got = fn(q.clone(), K.clone(), V.clone(), do.clone(), scale)
-        if not isinstance(got, (tuple, list)) or len(got) != 3:
-            raise AssertionError(f"one_row_backward must return three gradients (dq, dK, dV), got {got!r:.80}")
-        for name, g, w in zip(("dq", "dK", "dV"), got, want):
-            torch.testing.assert_close(torch.as_tensor(g, dtype=torch.float64), w, rtol=1e-6, atol=1e-8,
-                                       msg=lambda m, name=name, N=N, D=D: f"{name} (N={N}, D={D}) is off: {m}")
-    print("one_row_backward matches autograd on 10 random rows.")
-
-
 def check_padded_attention(fn):
     """Your padded_attention against float64 attention on the unpadded keys of each batch."""
     B, H, N, D = 3, 2, 77, 32
@@ -1134,3 +768,4 @@ def check_padded_attention(fn):
         torch.testing.assert_close(out[b].double(), want, rtol=1e-2, atol=1e-2,
                                    msg=lambda m, b=b, n=n: f"batch {b} (key length {n}) is off: {m}")
     print("padded_attention is right for key lengths " + ", ".join(map(str, lengths.tolist())) + ".")
+
