@@ -184,6 +184,9 @@ HEADER_ITEMS = """() => [...document.querySelectorAll([
 # The start of each block of printed output that scrolls sideways instead of wrapping.
 WIDE_OUTPUT = """() => [...document.querySelectorAll('div.sphx-glr-script-out pre')]
   .filter(pre => pre.scrollWidth > pre.clientWidth + 1).map(pre => pre.innerText.slice(0, 80))"""
+# Printed output in a box shorter than its text hides the lines below the fold in a scroll area.
+TALL_OUTPUT = """() => [...document.querySelectorAll('div.sphx-glr-script-out pre')]
+  .filter(pre => pre.scrollHeight > pre.clientHeight + 1).map(pre => pre.innerText.slice(0, 80))"""
 # How far the article column scrolls sideways: code cells and tables scroll inside their own boxes.
 WIDE_ARTICLE = """() => { const a = document.querySelector('.bd-article-container');
   return a ? a.scrollWidth - a.clientWidth : 0; }"""
@@ -213,6 +216,7 @@ def test_page_reads_well_offline(served_site, browser, path, width):
         assert all(top <= middle <= bottom for _, top, bottom in items), f"header items on several rows: {items}"
 
         assert not page.evaluate(WIDE_OUTPUT), "printed output scrolls sideways"
+        assert not page.evaluate(TALL_OUTPUT), "printed output is cut off inside a scroll box"
         assert page.evaluate(WIDE_ARTICLE) <= 1, "the article column scrolls sideways"
 
         typeset = page.evaluate(TYPESET)

@@ -104,20 +104,14 @@ results_table, spread_summary, ROUNDS = V1.results_table, V1.spread_summary, V1.
 #   bare ``exp2``, one hardware instruction, and saves the multiplication by :math:`\log_2 e` that
 #   ``tl.exp`` performs before its own ``exp2``. For the backward, the forward saves
 #   :math:`\mathrm{LSE}_2 = m + \log_2 \ell` per row, in the same base-2 units.
-# * **Parallel over the sequence in the backward too.** The forward grid has one program per
-#   (query block, batch, head), as the 2022 kernel of the previous lesson already had. Its
-#   backward had one program per (batch, head), each walking every key block in turn. v2's
-#   backward runs one program per key block, which owns that block's :math:`dK, dV`. :math:`dQ` is
-#   the awkward one: every key block contributes to every query row's :math:`dQ`. The
-#   FlashAttention-2 paper has the key-block programs *add* their contributions into an fp32
-#   :math:`dQ` with atomic instructions. The next lesson builds that, and also the alternative that
-#   Triton's own tutorial uses: a pass of its own with one program per query block, which owns
-#   its rows of :math:`dQ` outright, and measures which is faster.
-# * **Causal work split by the diagonal.** For a query block, key blocks entirely below the
-#   diagonal are fully visible and need no mask; only the blocks that the diagonal crosses are
-#   masked. Blocks above it are skipped altogether: causal attention does about half the work
-#   (more than half at short lengths, where the diagonal's blocks weigh more). The grid
-#   below, drawn by this lesson's own code, shows which is which for a small case.
+# * **Parallel over the sequence in the backward too.** v1's backward ran one program per
+#   (batch, head); v2's runs one per block of keys. That is the next lesson's subject.
+# * **A mask only where one is needed.** v1 already stopped a query block at the diagonal, skipping
+#   the key blocks above it (causal attention does about half the work; more than half at short
+#   lengths, where the diagonal's blocks weigh more), but it masked every block it computed. v2 masks
+#   only the blocks that the diagonal crosses and the ragged last block; the key blocks entirely
+#   below the diagonal are fully visible and run a loop compiled without any mask. The grid below,
+#   drawn by this lesson's own code, shows which is which for a small case.
 
 LOG2E = 1.4426950408889634
 
@@ -403,7 +397,7 @@ def tuned_case(q, causal):
 
 # %%
 # A note on the interpreter (of Triton 3.9, which the pinned requirements install; a GPU build of
-# this page may use another Triton, printed above its benchmark): it stores bf16
+# this page may use another Triton, printed in the Benchmark section below): it stores bf16
 # values as 16-bit integers and multiplies those integers inside ``tl.dot``. The kernels take an
 # ``UPCAST_DOT`` flag that turns the first operands into fp32 (and the helpers follow the dtype
 # they see); the launcher sets it only for bf16 under the interpreter, so compiled GPU code never
@@ -663,7 +657,7 @@ if __name__ == "__main__":
 # Which tiles ran
 # ---------------
 # The tile shapes behind the benchmark at :math:`D = 128` (``BLOCK_M x BLOCK_N``): from the table
-# where it covers this GPU, otherwise the autotuner's picks in this run.
+# where it covers this GPU's architecture, otherwise the autotuner's picks in this run.
 
 
 def config_text(block_m, block_n, warps, stages):
@@ -702,10 +696,14 @@ def where_tiles_came_from(names):
     if TUNED_ON and tuned_case(torch.empty(1, 1, 1, 128, dtype=torch.float16, device=DEVICE), False):
         rows = {key: config for key, config in TUNED_CONFIGS.items() if key[0] in names}
         distinct = {(name, D, causal, config) for (name, D, causal, _), config in rows.items()}
+        here = torch.cuda.get_device_name(DEVICE)
+        other = (f" This GPU, {here}, has the same architecture (compute capability "
+                 f"{'.'.join(map(str, TUNED_ON['capability']))}): these tiles were not measured on it, and "
+                 "its own sweep might pick others." if here != TUNED_ON["gpu"] else "")
         return (f"From the table, measured on {TUNED_ON['gpu']} with torch {TUNED_ON['torch']} and Triton "
                 f"{TUNED_ON['triton']} on {TUNED_ON['date']}. For these kernels' {len(rows)} cases (kernel, head "
                 f"dim, masking, length) it names {len(distinct)} distinct configurations: one compilation each, "
-                "per dtype.")
+                "per dtype." + other)
     return "The table does not cover this GPU: the autotuner picked these in this run."
 
 
@@ -725,7 +723,9 @@ choices if __name__ == "__main__" and not choices.empty else None
 #    block_n, n)``: a ``(block_m, block_n)`` boolean tensor that is True where query
 #    ``start_m + i`` may see key ``start_n + j`` under causal masking, and both exist (index below
 #    ``n``). Then ``check_causal_block_mask(causal_block_mask)``. Compare your answer with
-#    ``block_kinds``: a pair whose mask is all True needs no mask in the kernel.
+#    ``block_kinds``: a pair whose mask is all True needs no mask in the kernel. (``block_kinds``
+#    looks at keys only: a query row past ``n`` needs no mask inside the loop, since its loads read
+#    zeros and its store is masked.)
 # 2. **A key-padding mask.** Batches often hold sequences of different lengths, padded to one
 #    ``N``. Write ``padded_attention(q, k, v, key_lengths, sm_scale)`` in which batch ``b`` sees
 #    only its first ``key_lengths[b]`` keys (at least 1), forward only, by giving the forward kernel

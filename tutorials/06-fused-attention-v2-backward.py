@@ -10,7 +10,8 @@ and flash backends.
 
 You will learn:
 
-* the backward pass derived from the forward, including why :math:`\\Delta = \\mathrm{rowsum}(dO \\circ O)`;
+* what v2's backward changes from v1's: :math:`P` recomputed from one saved number per row, with no
+  division;
 * how the backward splits into a :math:`dQ` pass and a :math:`dK, dV` pass, why the :math:`dQ` pass
   runs first, and what FlashAttention-2's atomic additions to :math:`dQ` save and cost instead;
 * how to hand PyTorch's autograd a forward and a backward of your own;
@@ -83,46 +84,28 @@ V2 = load_sibling("05-fused-attention-v2-forward")  # which loads 04-fused-atten
 V1 = V2.V1
 
 # %%
-# The backward, derived
-# ---------------------
-# Write the forward for one (batch, head) with the scale folded into the scores:
+# The backward, recalled
+# ----------------------
+# Lesson 04 derived the gradients. For one (batch, head), with the scale :math:`s` folded into the
+# scores, the forward is :math:`S = s\,QK^T`, :math:`P = \mathrm{softmax}_\text{rows}(S)`,
+# :math:`O = PV`, and walking back from :math:`dO`:
 #
 # .. math::
 #
-#    S &= \mathrm{scale}\cdot Q K^T, \\
-#    P &= \mathrm{softmax}_{\text{rows}}(S), \\
-#    O &= P V.
+#    dV &= P^T dO, \qquad dP = dO\,V^T, \\
+#    dS &= P \circ (dP - \Delta), \qquad \Delta_i = \textstyle\sum_j P_{ij}\, dP_{ij} = dO_i \cdot O_i, \\
+#    dQ &= s\,dS\,K, \qquad dK = s\,dS^T Q.
 #
-# Given :math:`dO = \partial L / \partial O`, walk back one step at a time.
+# :math:`\Delta_i` looks as if it needed the whole row of :math:`P`, which is never stored; since
+# :math:`O_i = \sum_j P_{ij} V_j`, it is the dot product of two rows already in memory.
 #
-# * :math:`O = PV` is a matrix product, so :math:`dV = P^T dO` and :math:`dP = dO\, V^T`.
-# * The softmax acts on each row separately. For one row, :math:`p = \mathrm{softmax}(s)` has the
-#   Jacobian :math:`\partial p_j / \partial s_k = p_j(\delta_{jk} - p_k)`, so
-#   :math:`ds_k = \sum_j dp_j\, p_j (\delta_{jk} - p_k) = p_k\,(dp_k - \sum_j p_j\, dp_j)`: the
-#   same rule as the softmax backward of the first lesson. For the whole matrix,
-#   :math:`dS = P \circ (dP - \Delta)` with :math:`\Delta_i = \sum_j P_{ij}\, dP_{ij}`.
-# * :math:`\Delta_i` looks as if it needed the whole row of :math:`P`, which is never stored. It
-#   does not: substitute :math:`dP = dO\,V^T`,
-#
-#   .. math::
-#
-#      \Delta_i &= \sum_j P_{ij} \sum_d dO_{id} V_{jd} \\
-#               &= \sum_d dO_{id} \sum_j P_{ij} V_{jd} \\
-#               &= \sum_d dO_{id}\, O_{id},
-#
-#   a dot product of two rows that are already in memory. Triton's tutorial computes it in a
-#   small *preprocess* kernel before the main passes. In this lesson's default, two-pass
-#   backward it costs no kernel of its own; only the atomic backward keeps the preprocess (see
-#   "Who owns what").
-# * :math:`S = \mathrm{scale}\cdot QK^T` gives :math:`dQ = \mathrm{scale}\cdot dS\,K` and
-#   :math:`dK = \mathrm{scale}\cdot dS^T Q`.
-#
-# The backward recomputes each tile of :math:`P` from the row statistic the forward saved,
-# :math:`P = 2^{S \cdot \log_2 e - \mathrm{LSE}_2}` (already normalized, no division), and
-# multiplies: :math:`QK^T` again, then :math:`dV`, :math:`dP`, :math:`dK`, :math:`dQ`, five
-# products where the forward did two. (v1 instead divided :math:`dO` by :math:`\ell` in its
-# preprocess, so that the unnormalized :math:`e^{S - m}` could stand in for :math:`P`; saving
-# :math:`\mathrm{LSE}` makes that unnecessary.)
+# What v2 changes is how :math:`P` comes back. v1 saved :math:`m` and :math:`\ell` and, to avoid a
+# division by :math:`\ell` at every tile, divided :math:`dO` by :math:`\ell` in a preprocess kernel
+# (lesson 04 measures what that rounding costs). v2's forward saved one number per row,
+# :math:`\mathrm{LSE}_2 = m + \log_2 \ell` (lesson 05), and each tile of :math:`P` comes back
+# already normalized, :math:`P = 2^{S \cdot \log_2 e - \mathrm{LSE}_2}`: one ``exp2`` per element,
+# no division, and :math:`dO` used as it is. Then five matrix products per block pair:
+# :math:`QK^T` again, :math:`dV`, :math:`dP`, :math:`dK` and :math:`dQ`, where the forward did two.
 #
 # Who owns what
 # -------------
@@ -146,9 +129,10 @@ V1 = V2.V1
 # program holds its rows of :math:`dO` anyway; it loads the same rows of :math:`O`, computes their
 # :math:`\Delta`, uses it, and stores it. So this pass runs *first*, and the :math:`dK, dV` pass,
 # which walks every query block and needs every row's :math:`\Delta`, reads what it stored. The
-# preprocess kernel is gone: one launch fewer per backward (launching it took 30 us of host time at
-# :math:`N = 1024` in an H100 probe, the engineering notes' row for ``c85df52``). The atomic
-# backward has no :math:`dQ` pass to fold it into, so it keeps the preprocess.
+# preprocess kernel that v1 and Triton's own tutorial launch for :math:`\Delta` is gone: one launch
+# fewer per backward (launching it took 30 us of host time at :math:`N = 1024` in an H100 probe, the
+# engineering notes' row for ``c85df52``). The atomic backward has no :math:`dQ` pass to fold it
+# into, so it keeps the preprocess.
 #
 # In both, masking is needed only on the diagonal and on ragged edges: a query row past :math:`N`
 # is loaded as zeros, so its :math:`dO` and :math:`\Delta` are zero and it contributes nothing; a
@@ -392,7 +376,7 @@ def backward_delta(o, do):
     B, H, N, D = o.shape
     delta = torch.empty((B * H, N), dtype=torch.float32, device=o.device)
     V2.launch_planned(V2.plan_key(o, do), attn_bwd_preprocess_kernel, (V2.host_cdiv(N, 64), B * H), 3,
-                   (o, do, delta, H, N, *o.stride(), *do.stride()), dict(D=D, BLOCK_M=64))
+                      (o, do, delta, H, N, *o.stride(), *do.stride()), dict(D=D, BLOCK_M=64))
     return delta
 
 
@@ -552,6 +536,13 @@ V1.results_table(results) if __name__ == "__main__" else None
 # which the two-pass backward really multiplies matrices (it executes seven products where the
 # FLOP count credits five); and how far the repeated timings spread, the yardstick for which
 # differences mean anything.
+#
+# If matrix products were all that counted, the atomic backward, with five products where the
+# two-pass one has seven, would take 5/7 of its time. The line "atomic dQ is ... the two-pass
+# backward" says what it took here. Besides its products it pays for an addition into L2 for every
+# element of :math:`dS\,K`, a preprocess launch, an fp32 :math:`dQ` buffer zeroed before and cast
+# after, and tiles of its own (the table below), so the count of products alone does not predict
+# the winner: only the measurement does.
 
 if __name__ == "__main__":
     peers = [c for c in V2.PEERS if c in table]
@@ -576,12 +567,12 @@ if __name__ == "__main__":
 # ---------------
 # The tile shapes behind the benchmark at :math:`D = 128` (``BLOCK_M x BLOCK_N``; the :math:`dQ`
 # kernel owns ``BLOCK_N`` queries and walks ``BLOCK_M`` keys): from lesson 05's table where it
-# covers this GPU, otherwise the autotuner's picks in this run. A :math:`dK, dV` program with 128
-# keys keeps two 128 x 128 fp32 accumulators, 128 KiB: spread over 8 warps (256 threads) that is
-# 128 of the 255 registers a thread may have, before the tiles in flight. A program with half the
-# keys and one warp group of 4 warps holds the same 128 registers of accumulators per thread, but is
-# small enough that two fit on one SM, where each can run its matrix products while the other
-# waits. Which wins is for the sweep to measure.
+# covers this GPU's architecture, otherwise the autotuner's picks in this run. A :math:`dK, dV`
+# program with 128 keys keeps two 128 x 128 fp32 accumulators, 128 KiB: spread over 8 warps (256
+# threads) that is 128 of the 255 registers a thread may have, before the tiles in flight. A program
+# with half the keys and one warp group of 4 warps holds the same 128 registers of accumulators per
+# thread, but is small enough that two fit on one SM, where each can run its matrix products while
+# the other waits. Which wins is for the sweep to measure.
 
 KERNELS = {"dkdv": ("dK, dV", DKDV_TUNER), "dkdv-atomic": ("dK, dV (atomic dQ)", DKDV_ATOMIC_TUNER),
            "dq": ("dQ", DQ_TUNER)}
@@ -598,7 +589,7 @@ choices if __name__ == "__main__" and not choices.empty else None
 # Each exercise comes with a check: call it on your function, and it compares your answer with a
 # float64 reference on fresh random inputs, and says what is wrong or that you got it right.
 #
-# 1. **One row's backward, by hand.** Using only the derivation above, write
+# 1. **One row's backward, by hand.** Using only the gradients recalled above, write
 #    ``one_row_backward(q, K, V, do, scale)`` for a single query row ``q`` of shape ``(D,)``, keys
 #    and values ``(N, D)`` and the gradient ``do`` of its output, returning ``(dq, dK, dV)`` (no
 #    autograd). Then ``check_one_row_backward(one_row_backward)``.
