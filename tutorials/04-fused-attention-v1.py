@@ -3,25 +3,23 @@ Fused attention v1: the FlashAttention-1 algorithm
 ==================================================
 
 Attention, :math:`O = \\mathrm{softmax}(QK^T \\cdot s)\\,V`, computed without ever writing the
-:math:`N \\times N` matrix of scores to memory, as FlashAttention (Dao et al., 2022) first did. This
-lesson keeps that first algorithm alive on purpose: it is the step between the online softmax of
-the previous lesson and FlashAttention-2 in the next, and it is what Triton's 2022 tutorial taught.
+:math:`N \\times N` matrix of scores to memory, as FlashAttention (Dao et al., 2022) first did. That
+first algorithm, which Triton's 2022 tutorial taught, is the step from lesson 02's online softmax to
+FlashAttention-2 in the next lesson: this lesson keeps it alive on purpose.
 
 You will learn:
 
-* how the online softmax becomes an online *softmax-weighted sum*, first for one query row, then
-  for a block of rows with matrix multiplications;
-* the FlashAttention-1 forward: running maximum :math:`m` and sum :math:`\\ell` kept separately,
-  the output rescaled at every step, and the statistics saved for the backward;
-* the FlashAttention-1 backward: a preprocessing step, one program per (batch, head) walking the
-  key blocks, and :math:`dQ` accumulated in fp32 through memory;
-* why v1 divides :math:`dO` by :math:`\\ell` before its backward, derived;
-* why its backward is slow, measured: how many programs an SM needs to hide its latency;
+* how the online softmax becomes an online *softmax-weighted sum*, for one query row, then for a
+  block of rows with matrix multiplications;
+* the FlashAttention-1 forward: running maximum :math:`m` and sum :math:`\\ell` kept apart, the
+  output rescaled at every step, the statistics saved for the backward;
+* its backward: a preprocess, one program per (batch, head) walking the key blocks, :math:`dQ`
+  accumulated in fp32 through memory; why it divides :math:`dO` by :math:`\\ell` first (derived),
+  what that costs in fp16, and why it is slow (measured: how many programs an SM needs);
 * what the 2022 code needed that today's Triton no longer has, and what replaces it;
 * how to benchmark attention honestly: FLOPs, forward and backward timed apart, every SDPA backend
-  beside it, repeated timings, the matrix-multiply rate as the ceiling. The attention lessons
-  after this one reuse this lesson's benchmark and checks, so they load this file when it sits
-  next to them.
+  beside it, repeated timings, the matrix-multiply rate as the ceiling. The later attention
+  lessons load this file, when it sits next to them, for this benchmark and its checks.
 """
 
 # %%
@@ -31,9 +29,12 @@ You will learn:
 # first ``@triton.jit``.
 
 import functools
+import itertools
 import math
 import numbers
 import os
+import platform
+import time
 
 import torch
 
@@ -51,9 +52,9 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 # --------------------------------
 # For one query row :math:`q`, attention is a weighted average of the value rows :math:`v_j`, with
 # weights :math:`\mathrm{softmax}_j(s_j)` where :math:`s_j = q \cdot k_j \cdot \mathrm{scale}`. The
-# online softmax of the last lesson kept a running maximum :math:`m` and a running sum :math:`\ell`
+# online softmax of lesson 02 kept a running maximum :math:`m` and a running sum :math:`\ell`
 # rescaled whenever :math:`m` grows. The weighted sum :math:`a = \sum_j e^{s_j - m} v_j` is rescaled
-# by the same factor, so one loop over the keys computes everything:
+# by the same factor, so one loop over the keys computes everything, here in plain Python:
 #
 # .. math::
 #
@@ -61,8 +62,6 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 #    \ell' &= \ell\, e^{m - m'} + e^{s_j - m'}, \\
 #    a' &= a\, e^{m - m'} + e^{s_j - m'}\, v_j, \\
 #    o &= a / \ell \quad \text{(after the last key).}
-#
-# In plain Python, to see it work before any kernel:
 
 
 def one_row_attention(q, k, v, scale):
@@ -88,22 +87,20 @@ if __name__ == "__main__":
 # From rows to blocks
 # -------------------
 # A GPU wants matrix multiplications, not dot products. Take ``BLOCK_M`` query rows at once and
-# ``BLOCK_N`` keys per step: the scores become a ``BLOCK_M x BLOCK_N`` tile
-# :math:`S = Q_i K_j^T`, the maximum and sum are taken along the tile's rows, and
-# :math:`e^{S - m} V_j` is a second matrix multiplication. Nothing larger than a tile ever exists.
+# ``BLOCK_N`` keys per step: the scores become a ``BLOCK_M x BLOCK_N`` tile :math:`S = Q_i K_j^T`,
+# the maximum and sum are taken along its rows, and :math:`e^{S - m} V_j` is a second matrix
+# multiplication. Nothing larger than a tile ever exists.
 #
-# FlashAttention-1 keeps the output *normalized* at every step: after each key block, the
-# accumulator holds :math:`o = a / \ell` for the keys seen so far. Its update therefore computes
-# two factors per row, :math:`\ell e^{m - m'} / \ell'` for what is there and
-# :math:`e^{m_{ij} - m'} / \ell'` for the new block (two divisions per row per step), and
-# multiplies the whole accumulator and the whole tile of probabilities by them: two extra
-# multiplications per element per step, which FlashAttention-2 removed by normalizing once at the
-# end. At the end v1 saves :math:`\ell` and :math:`m` per row for the backward pass.
+# FlashAttention-1 keeps the output *normalized*: after each key block the accumulator holds
+# :math:`o = a / \ell` for the keys seen so far. Each step multiplies the accumulator by
+# :math:`\ell e^{m - m'} / \ell'` and the new tile of probabilities by :math:`e^{m_{ij} - m'} / \ell'`:
+# two divisions per row and two extra multiplications per element, every step, which
+# FlashAttention-2 removed by normalizing once at the end. v1 saves :math:`\ell` and :math:`m` per
+# row for the backward.
 #
-# The kernel handles any sequence length: key columns past :math:`N` get a score of
-# :math:`-\infty` (weight 0), query rows past :math:`N` are computed on zeros and never stored.
-# With ``CAUSAL``, query :math:`i` sees only keys :math:`j \le i`, so a query block stops at the
-# diagonal instead of walking every key.
+# Any sequence length works: key columns past :math:`N` score :math:`-\infty` (weight 0), and query
+# rows past :math:`N` are computed on zeros and never stored. With ``CAUSAL``, query :math:`i` sees
+# only keys :math:`j \le i`, so a query block stops at the diagonal.
 
 
 @triton.jit
@@ -160,9 +157,8 @@ def attn_fwd_v1_kernel(
 # %%
 # The backward pass, derived
 # --------------------------
-# For one (batch, head), with the scale folded into the scores, the forward is
-# :math:`S = s\,QK^T`, :math:`P = \mathrm{softmax}_\text{rows}(S)`, :math:`O = PV`. Walking back
-# from :math:`dO`:
+# For one (batch, head), with the scale folded into the scores, the forward is :math:`S = s\,QK^T`,
+# :math:`P = \mathrm{softmax}_\text{rows}(S)`, :math:`O = PV`. Walking back from :math:`dO`:
 #
 # * :math:`O = PV` gives :math:`dV = P^T dO` and :math:`dP = dO\,V^T`.
 # * For one row, softmax's Jacobian is :math:`\partial p_j/\partial s_k = p_j(\delta_{jk} - p_k)`, so
@@ -171,18 +167,17 @@ def attn_fwd_v1_kernel(
 #   one dot product of two stored rows.
 # * :math:`S = s\,QK^T` gives :math:`dQ = s\,dS\,K` and :math:`dK = s\,dS^T Q`.
 #
-# Nothing of :math:`P` was saved, only :math:`m` and :math:`\ell`, so the backward recomputes each
-# tile. :math:`e^{S - m}` is cheap; dividing it by :math:`\ell` row by row at every tile is not. The
+# Only :math:`m` and :math:`\ell` were saved, so the backward recomputes each tile of :math:`P`.
+# :math:`e^{S - m}` is cheap; dividing it by :math:`\ell` row by row at every tile is not, so the
 # 2022 kernel moves the division out of the loop. Row :math:`i` of :math:`e^{S-m}` is
-# :math:`\ell_i P_i`; if row :math:`i` of :math:`dO` is divided by :math:`\ell_i` first, then
+# :math:`\ell_i P_i`; divide row :math:`i` of :math:`dO` by :math:`\ell_i` first, and
 # :math:`dV = \sum_i (\ell_i P_i)^T (dO_i / \ell_i)` is unchanged, :math:`dP` and :math:`\Delta`
-# (both linear in :math:`dO`) come out divided by :math:`\ell_i`, and
+# (linear in :math:`dO`) come out divided by :math:`\ell_i`, and
 # :math:`(\ell_i P_i) \circ (dP_i - \Delta_i)/\ell_i` is the same :math:`dS`. So a *preprocess*
 # divides :math:`dO` by :math:`\ell` and computes :math:`\Delta` from it, once per row. Then one
-# program per (batch, head) walks the key blocks: for each, it loops over the query blocks,
-# accumulates :math:`dK` and :math:`dV` in registers, and adds its share of :math:`dQ` to an fp32
-# buffer in memory, read and written again for every key block. How well that uses a GPU is
-# measured after the benchmark below.
+# program per (batch, head) walks the key blocks, each over every query block: :math:`dK` and
+# :math:`dV` accumulate in registers, :math:`dQ` in an fp32 buffer in memory, read and written
+# again for every key block (how well that uses a GPU is measured after the benchmark).
 
 
 @triton.jit
@@ -255,31 +250,26 @@ def attn_bwd_v1_kernel(
 # %%
 # What changed since 2022
 # -----------------------
-# The 2022 tutorial no longer runs. Its kernels called ``tl.dot(q, k, trans_b=True)``; today one
-# writes ``tl.dot(q, tl.trans(k))``. It kept a scratch buffer (``TMP``) to store and reload a
-# value, a workaround for a compiler bug long since fixed. Its 2-D blocks of pointers were built by
-# hand, as here. Later versions of the tutorial moved to ``tl.make_block_ptr``, which Triton 3.6
-# still has but Triton 3.9 refuses with ``NotImplementedError``; this port keeps plain pointer
-# arithmetic, which both run. Its test used ``triton.testing.assert_almost_equal``, now gone
-# (``torch.testing.assert_close`` replaces it), and its benchmark passed ``percentiles=`` to
-# ``do_bench``, which now takes ``quantiles=`` or ``return_mode=``. Its backward also required the
-# sequence length to be a multiple of the block size; the masks above remove that limit.
+# The 2022 tutorial no longer runs. ``tl.dot(q, k, trans_b=True)`` is now
+# ``tl.dot(q, tl.trans(k))``. Its scratch buffer ``TMP``, stored and reloaded to dodge a compiler
+# bug long since fixed, is gone. It built its 2-D blocks of pointers by hand, as here; its later
+# ``tl.make_block_ptr`` runs in Triton 3.6 but raises ``NotImplementedError`` in 3.9.
+# ``triton.testing.assert_almost_equal`` is gone (``torch.testing.assert_close`` replaces it), and
+# ``do_bench`` takes ``quantiles=`` or ``return_mode=`` where it took ``percentiles=``. Its backward
+# needed the sequence length to be a multiple of the block size; the masks above remove that limit.
 #
-# One more pitfall, this time in the interpreter: in Triton 3.9 the interpreter stores bf16 values
-# as 16-bit integers and multiplies them as integers inside ``tl.dot``, giving nonsense. The
-# kernels above take an ``UPCAST_DOT`` flag that converts the operands to fp32 first; the launcher
-# sets it only for bf16 under the interpreter, so the GPU path is untouched.
+# One pitfall is new: Triton 3.9's interpreter stores bf16 values as 16-bit integers and multiplies
+# them as integers inside ``tl.dot``, giving nonsense. So the kernels take an ``UPCAST_DOT`` flag,
+# set only for bf16 under the interpreter, that converts the operands to fp32 first.
 #
 # The autograd wrapper
 # --------------------
-# ``attention(q, k, v, causal, sm_scale)`` takes tensors of shape (batch, heads, sequence, head
-# dim) with any strides, checks them, and returns a tensor that PyTorch can differentiate. The
-# checks are written once, here, for every attention lesson of the site: the later lessons call
-# this ``check_inputs``. The backward receives one more tensor, :math:`dO`, straight from the
-# caller's ``loss.backward()``, so it gets the same care (``resolved_gradient``): a negative view is
-# resolved and a layout too wide for 32-bit offsets is copied. And the backward is marked
-# ``once_differentiable``, as in the softmax lessons: it builds no graph of its own, so a second
-# derivative (a gradient penalty, say) raises an error instead of silently coming out wrong.
+# ``attention(q, k, v, causal, sm_scale)`` takes (batch, heads, sequence, head dim) tensors with any
+# strides, checks them (``check_inputs``, which every later attention lesson calls too), and returns
+# a tensor PyTorch can differentiate. :math:`dO` reaches the backward straight from the caller's
+# ``loss.backward()``, unchecked, so ``resolved_gradient`` resolves a negative view and copies a
+# layout too wide for 32-bit offsets. The backward is ``once_differentiable``, as in the softmax
+# lessons: a second derivative (a gradient penalty, say) raises an error instead of coming out wrong.
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (16, 32, 64, 128)
@@ -323,17 +313,15 @@ def check_inputs(q, k, v, causal, sm_scale, fp8=False):
     if q.numel() == 0:
         raise ValueError(f"q, k and v must not be empty, got shape {tuple(q.shape)}")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        span = head_span(t)
-        if span >= 2**31:
+        if (span := head_span(t)) >= 2**31:
             raise ValueError(f"{name}'s rows of one head span {span} elements, more than these kernels address "
                              f"with 32-bit offsets (2**31): split the sequence, or make the head's rows contiguous")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
     # Any real number: Python's, or NumPy's scalars (registered as numbers.Real); a bool is a mistake.
-    if isinstance(sm_scale, bool) or type(sm_scale).__name__ == "bool_" or not isinstance(sm_scale, numbers.Real):
-        raise TypeError(f"sm_scale must be a finite real number, got {sm_scale!r}")
+    real = isinstance(sm_scale, numbers.Real) and not (isinstance(sm_scale, bool) or type(sm_scale).__name__ == "bool_")
     try:
-        finite = math.isfinite(sm_scale)
+        finite = real and math.isfinite(sm_scale)
     except OverflowError:  # a Python int past float's range
         finite = True
     if not finite:
@@ -348,9 +336,8 @@ MAX_SM_SCALE = torch.finfo(torch.float32).max / math.log2(math.e)
 
 
 def head_span(t):
-    """How many elements apart the first and last element of one head of a (B, H, N, D) tensor lie.
-
-    The kernels add 64-bit offsets for batch and head, and 32-bit ones inside one head."""
+    """How many elements apart the first and last element of one head of a (B, H, N, D) tensor lie: the kernels
+    add 64-bit offsets for batch and head, and 32-bit ones inside one head."""
     _, _, n, d = t.shape
     _, _, row_stride, column_stride = t.stride()
     return (n - 1) * abs(row_stride) + (d - 1) * abs(column_stride)
@@ -362,9 +349,7 @@ def resolved(*tensors):
 
 
 def resolved_gradient(do):
-    """dO as the backward kernels can read it: autograd hands the backward whatever the caller passed,
-    which check_inputs never saw, so a negative view is resolved and a head too wide for 32-bit offsets
-    is copied to a contiguous layout."""
+    """dO as the backward kernels can read it: a negative view resolved, a head too wide for 32-bit offsets copied."""
     do = do.resolve_neg()
     return do.contiguous() if head_span(do) >= 2**31 else do
 
@@ -391,8 +376,7 @@ class _AttentionV1(torch.autograd.Function):
     def forward(ctx, q, k, v, causal, sm_scale):
         B, H, N, D = q.shape
         o = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
-        l = torch.empty((B * H, N), dtype=torch.float32, device=q.device)
-        m = torch.empty_like(l)
+        l, m = (torch.empty((B * H, N), dtype=torch.float32, device=q.device) for _ in range(2))
         upcast = (not ON_GPU) and q.dtype == torch.bfloat16
         grid = (triton.cdiv(N, BLOCK), B * H)
         launch(attn_fwd_v1_kernel, grid, q, k, v, o, l, m, sm_scale, H, N, *q.stride(), *k.stride(), *v.stride(),
@@ -407,13 +391,11 @@ class _AttentionV1(torch.autograd.Function):
         q, k, v, o, l, m = ctx.saved_tensors
         do = resolved_gradient(do)
         B, H, N, D = q.shape
-        do_scaled = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
+        do_scaled, dk, dv = (torch.empty((B, H, N, D), dtype=q.dtype, device=q.device) for _ in range(3))
         delta = torch.empty_like(l)
         launch(attn_bwd_preprocess_v1_kernel, (triton.cdiv(N, BLOCK), B * H),
                o, do, l, do_scaled, delta, H, N, *o.stride(), *do.stride(), D=D, BLOCK_M=BLOCK)
         dq = torch.zeros((B, H, N, D), dtype=torch.float32, device=q.device)
-        dk = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
-        dv = torch.empty_like(dk)
         launch(attn_bwd_v1_kernel, (B * H,), q, k, v, do_scaled, dq, dk, dv, m, delta, ctx.sm_scale, H, N,
                *q.stride(), *k.stride(), *v.stride(), D=D, BLOCK_M=BLOCK, BLOCK_N=BLOCK, CAUSAL=ctx.causal,
                UPCAST_DOT=ctx.upcast, num_warps=4 if D <= 64 else 8)
@@ -429,11 +411,10 @@ def attention(q, k, v, causal, sm_scale):
 # %%
 # Correctness
 # -----------
-# Forward and backward against float64 PyTorch on fresh random inputs, at a sequence length that
-# is not a multiple of the block size, causal and not. The check fails on NaN or infinity
-# anywhere: ``error < tolerance`` is false for NaN, so it is written that way round, never as
-# ``max(errors) < tolerance`` (Python's ``max`` skips a NaN that is not first). The later attention
-# lessons run their kernels through this same check.
+# Forward and backward against float64 PyTorch on fresh random inputs, causal and not, at a sequence
+# length that is not a multiple of the block size; the later attention lessons use this check too.
+# It fails on NaN or infinity anywhere: it tests ``error < tolerance``, false for NaN, never
+# ``max(errors) < tolerance`` (Python's ``max`` skips a NaN that is not first).
 
 
 def reference_attention(q, k, v, causal, sm_scale):
@@ -446,9 +427,8 @@ def reference_attention(q, k, v, causal, sm_scale):
 
 
 def check_against_float64(attention_fn, q, k, v, causal, sm_scale, label, tolerance=1e-2, backward=True):
-    """Errors of o, dq, dk, dv (o alone without backward) relative to the largest float64 reference value
-    (at least 1), on a fresh random dO; raises AssertionError naming label and the tensor when one is off or
-    not finite."""
+    """Errors of o, dq, dk, dv (o alone without backward) relative to the largest float64 reference value (at
+    least 1), on a fresh random dO; raises AssertionError naming label and the tensor when one is off or not finite."""
     q, k, v = (t.detach().requires_grad_(backward) for t in (q, k, v))
     out = attention_fn(q, k, v, causal, sm_scale)
     q64, k64, v64 = (t.detach().double().requires_grad_(backward) for t in (q, k, v))
@@ -487,16 +467,14 @@ if __name__ == "__main__":
 # %%
 # The price of dividing :math:`dO` by :math:`\ell` first
 # ------------------------------------------------------
-# The preprocess stores :math:`dO / \ell` in the input's dtype, and :math:`\ell` can be as large
-# as :math:`N`: with attention spread evenly over 1,024 keys, each row of :math:`dO` is divided by
-# about 1,024. In fp16 that moves every value ten binades (factors of two) down, and a gradient
-# that was small to begin with ends up among fp16's *subnormal* numbers (below :math:`6 \cdot 10^{-5}`), which carry
-# fewer significant bits the smaller they are. The identity derived above holds in exact
-# arithmetic; the stored tensor does not. The same check as above, at :math:`N = 1024` with
-# near-uniform attention (small queries), for a :math:`dO` of order 1 and one of order
-# :math:`10^{-4}`, such as a loss scaled down or averaged over many tokens produces. The error
-# of :math:`dV` is taken relative to its own largest value; the check above divides by that value
-# or 1, whichever is larger, a floor that would hide any error at this scale:
+# The preprocess stores :math:`dO / \ell` in the input's dtype, and :math:`\ell` can be as large as
+# :math:`N`: attention spread evenly over 1,024 keys divides each row of :math:`dO` by about 1,024,
+# ten binades (factors of two). A gradient small to begin with lands among fp16's *subnormal*
+# numbers (below :math:`6 \cdot 10^{-5}`), which carry fewer significant bits the smaller they are:
+# the identity derived above is exact, the stored tensor is not. Below, :math:`N = 1024` with
+# near-uniform attention (small queries), and a :math:`dO` of order 1 or of order :math:`10^{-4}`
+# (a loss scaled down or averaged over many tokens). :math:`dV`'s error is taken relative to its own
+# largest value, not to that value or 1 as in the check above, a floor that would hide it.
 
 if __name__ == "__main__":
     torch.manual_seed(0)
@@ -514,31 +492,25 @@ if __name__ == "__main__":
     print(f"The small gradient's dV is {dv_errors[1e-4] / dv_errors[1.0]:.0f}x as far off as the large one's.")
 
 # %%
-# FlashAttention-2 (the next lesson) does not divide :math:`dO` at all: it recomputes
-# :math:`P` already normalized from the saved log-sum-exp. Its :math:`dV`, itself this small,
-# still loses a few bits, but its tests check that it stays within their fp16 tolerance in this
-# same case. Its :math:`dQ` and :math:`dK` do not escape:
-# like Triton's own tutorial, it rounds :math:`dS = P \circ (dP - \Delta)` to fp16 for the
+# FlashAttention-2's backward (lesson 06) does not divide :math:`dO`: it recomputes :math:`P` already
+# normalized from the saved log-sum-exp. Its :math:`dV`, itself this small, loses a few bits but
+# stays within its tests' fp16 tolerance in this same case. Its :math:`dQ` and :math:`dK` do not
+# escape: like Triton's own tutorial, it rounds :math:`dS = P \circ (dP - \Delta)` to fp16 for the
 # tensor cores, and with :math:`P` near :math:`1/1024` and :math:`dP - \Delta` of the order of
-# :math:`dO`, :math:`dS` is subnormal as well. This is why fp16 training scales its loss up
-# (``torch.amp.GradScaler``), and one reason to train in bf16, which has fp32's exponent range
-# and no subnormals at these magnitudes.
+# :math:`dO`, :math:`dS` is subnormal too. Hence fp16 training scales its loss up
+# (``torch.amp.GradScaler``), and one reason to train in bf16, with fp32's exponent range.
 
 # %%
 # Benchmark
 # ---------
-# TFLOP/s for the forward and the backward, on a GPU at :math:`B = 4`, :math:`H = 32`, :math:`D = 64`
-# (under the interpreter at :math:`B = 1`, :math:`H = 2` and two short sequences), against
-# each backend of PyTorch's ``scaled_dot_product_attention`` that runs here. The forward does
-# :math:`4BHN^2D` floating-point operations (two matrix products of :math:`2BHN^2D` each), half that
-# when causal; the backward does 2.5 times the forward (five matrix products instead of two).
-# The ceiling is the device's fp16 matrix-multiply rate, measured in this run after a second of
-# multiplying, at the clocks a GPU keeps under load (``matmul_tflops`` says why); under the
-# interpreter, PyTorch's fp32 one on the CPU. The code below is the harness that every attention
-# lesson of this site uses.
-
-import platform  # noqa: E402
-import time  # noqa: E402
+# TFLOP/s of the forward and the backward, on a GPU at :math:`B = 4`, :math:`H = 32`, :math:`D = 64`
+# (under the interpreter at :math:`B = 1`, :math:`H = 2` and two short sequences), beside each
+# backend of PyTorch's ``scaled_dot_product_attention`` that runs here. The forward does
+# :math:`4BHN^2D` floating-point operations (two matrix products), half that when causal; the
+# backward 2.5 times as many (five). The ceiling is the device's fp16 matrix-multiply rate, measured
+# now after a second of multiplying, at the clocks a GPU keeps under load (``matmul_tflops`` says
+# why); under the interpreter, PyTorch's fp32 one on the CPU. Every attention lesson uses the
+# harness below.
 
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.nn.functional import scaled_dot_product_attention  # noqa: E402
@@ -583,14 +555,13 @@ def bench_ms(fn):
     return 1e3 * min(times)
 
 
-# Triton compiles a kernel the first time a launch meets a new specialization of it (a
-# configuration, a dtype, an integer that is or is not a multiple of 16), one kernel after another
-# on one CPU core: 8 s of lesson 04, 41 s of lesson 05 and 78 s of lesson 07 in a cold run on an
-# H100's host (this site's engineering notes, 2026-11-26). Triton can compile on a pool of threads
-# instead (its ``AsyncCompileMode``, internal in Triton 3.6 and 3.9), for launches that only *warm
-# up* a kernel: compile it, run nothing. So before it times anything, the harness calls everything
-# it will time once, with every launch made through ``launch`` only compiling. A failed compilation
-# is left for the timed call to report.
+# Triton compiles a kernel when a launch meets a new specialization of it (a configuration, a dtype,
+# an integer that is or is not a multiple of 16), one after another on one CPU core: 8 s of lesson
+# 04, 41 s of lessons 05 and 06 (then one lesson) and 78 s of lesson 07 in a cold run on an H100's
+# host (this site's engineering notes, 2026-11-26). Launches that only *warm up* a kernel can
+# compile on a pool of threads (``AsyncCompileMode``, internal in Triton 3.6 and 3.9). So the
+# harness first calls everything it will time once, each ``launch`` only compiling; a failure is
+# left for the timed call.
 
 
 def compile_ahead(calls):
@@ -653,16 +624,12 @@ def save_results(tutorial, benchmarks):
 
 def sdpa_providers(causal, scale, backends):
     """{name: fn(q, k, v)} for each named SDPA backend, as users call it."""
-    providers = {}
-    for name in backends:
-        backend = {"SDPA cuDNN": SDPBackend.CUDNN_ATTENTION, "SDPA flash": SDPBackend.FLASH_ATTENTION,
-                   "SDPA mem-efficient": SDPBackend.EFFICIENT_ATTENTION, "SDPA math": SDPBackend.MATH}[name]
-
-        def sdpa(q, k, v, backend=backend):
-            with sdpa_kernel(backend):
-                return scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
-        providers[name] = sdpa
-    return providers
+    def sdpa(q, k, v, backend):
+        with sdpa_kernel(backend):
+            return scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    ids = {"SDPA cuDNN": SDPBackend.CUDNN_ATTENTION, "SDPA flash": SDPBackend.FLASH_ATTENTION,
+           "SDPA mem-efficient": SDPBackend.EFFICIENT_ATTENTION, "SDPA math": SDPBackend.MATH}
+    return {name: functools.partial(sdpa, backend=ids[name]) for name in backends}
 
 
 # The math backend materializes the N x N scores (68 GB at N = 16384 here): a peer only on the CPU.
@@ -681,14 +648,12 @@ def backward_ms(fn, q, k, v):
     return bench_ms(backward_call(fn, q, k, v))
 
 
-# A GPU's speed drifts while it runs (its clocks follow its temperature and power draw): one kernel
-# timed several times in a row in the same process can differ by several percent. A single timing
-# per provider would let that drift decide which of two close providers looks faster. So on a GPU
-# every provider is timed ROUNDS times, the rounds in alternating order (first to last, then last
-# to first), and each keeps its fastest timing. Every provider gets the same treatment, and the
-# page prints how far the timings spread. A timing far slower than its twin was disturbed, most
-# often by the host at the shortest lengths, where it paces the GPU: a provider whose two fastest
-# timings differ by more than AGREE is timed again, up to MAX_TIMINGS times in all.
+# A GPU's speed drifts as it runs (its clocks follow its temperature and power draw): one kernel timed
+# several times in a row can differ by several percent, enough to reorder two close providers. So on
+# a GPU every provider is timed ROUNDS times, in alternating order, keeps its fastest timing, and the
+# page prints how far the timings spread. A timing far slower than its twin was disturbed, most often
+# by the host at the shortest lengths, where it paces the GPU: a provider whose two fastest timings
+# differ by more than AGREE is timed again, up to MAX_TIMINGS times in all.
 ROUNDS = 2 if ON_GPU else 1
 AGREE, MAX_TIMINGS = 0.25, 4
 
@@ -705,8 +670,7 @@ def retime_disagreeing(times, timers):
 
 
 def measure_in_rounds(timers, label):
-    """{(provider, mode): [ms, ...]}, each timer run ROUNDS times, and again (up to MAX_TIMINGS) while its two
-    fastest timings differ by more than AGREE; a provider that fails here is left out."""
+    """{(provider, mode): [ms, ...]}, timed as the comment above ROUNDS says; a provider that fails is left out."""
     times, failed = {}, set()
     for r in range(ROUNDS):
         for key in (list(timers) if r % 2 == 0 else list(timers)[::-1]):
@@ -721,21 +685,17 @@ def measure_in_rounds(timers, label):
 
 
 def run_benchmark(cases, sizes, providers, modes, extra_providers=None):
-    """Rows of TFLOP/s: every provider of providers(causal, D) in each mode, at every case and size.
-
-    extra_providers(q, k, v, causal, D) may add {(provider, mode): fn(q, k, v)}: providers timed in one mode
-    only, or made from the case's inputs."""
+    """Rows of TFLOP/s: every provider of providers(causal, D) in each mode, at every case and size, and any
+    {(provider, mode): fn(q, k, v)} that extra_providers(q, k, v, causal, D) adds (one mode, or from the inputs)."""
     def each_case():
-        for B, H, D in cases:
-            for causal in (False, True):
-                for N in sizes:
-                    q, k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16, requires_grad=True)
-                               for _ in range(3))
-                    calls = {(name, mode): fn for name, fn in providers(causal, D).items() for mode in modes}
-                    if extra_providers is not None:
-                        calls.update(extra_providers(q, k, v, causal, D))
-                    yield D, causal, N, 4 * B * H * N * N * D * (0.5 if causal else 1.0), (q, k, v), calls
-                    del q, k, v, calls
+        for (B, H, D), causal, N in itertools.product(cases, (False, True), sizes):
+            q, k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16, requires_grad=True)
+                       for _ in range(3))
+            calls = {(name, mode): fn for name, fn in providers(causal, D).items() for mode in modes}
+            if extra_providers is not None:
+                calls.update(extra_providers(q, k, v, causal, D))
+            yield D, causal, N, 4 * B * H * N * N * D * (0.5 if causal else 1.0), (q, k, v), calls
+            del q, k, v, calls
 
     def call_each_once():
         for *_, qkv, calls in each_case():
@@ -822,9 +782,7 @@ def spread_summary(results):
 
 
 def v1_providers(causal, D):
-    providers = {OURS: lambda q, k, v: attention(q, k, v, causal, D ** -0.5)}
-    providers.update(sdpa_providers(causal, D ** -0.5, PEERS))
-    return providers
+    return {OURS: lambda q, k, v: attention(q, k, v, causal, D ** -0.5), **sdpa_providers(causal, D ** -0.5, PEERS)}
 
 
 # %%
@@ -839,10 +797,7 @@ if __name__ == "__main__":
     import matplotlib.pyplot as plt
     import pandas as pd
 
-    if ON_GPU:
-        cases, sizes = [(4, 32, 64)], [1024, 2048, 4096, 8192, 16384]
-    else:
-        cases, sizes = [(1, 2, 64)], [64, 128]
+    cases, sizes = ([(4, 32, 64)], [1024, 2048, 4096, 8192, 16384]) if ON_GPU else ([(1, 2, 64)], [64, 128])
     peak = matmul_tflops()
     print(f"{CEILING_NAME}, measured now: {peak:.3g} TFLOP/s")
     results = pd.DataFrame(run_benchmark(cases, sizes, v1_providers, ("fwd", "bwd")))
@@ -880,13 +835,12 @@ if __name__ == "__main__":
 # Why the backward is slow: how many programs an SM needs
 # -------------------------------------------------------
 # At the GPU benchmark's :math:`B \cdot H = 128` the backward launches 128 programs, nearly one per
-# SM on a GPU with 132 of them, so it does not leave the GPU idle for lack of programs. What it
-# leaves idle is each SM: one program of 4 warps walks its key blocks one after another, and while
-# it waits for a load or for the tensor cores, no other program on that SM can use them. The
-# experiment below keeps :math:`N` fixed and launches one, two, four and eight programs per SM
-# (:math:`B \cdot H` a multiple of the SM count), and compares the rate. If the rate grows with
-# programs per SM, the kernel is latency-bound, and the fix is more, smaller independent pieces of
-# work per SM: which is what FlashAttention-2's backward, one program per *key block*, provides.
+# SM on a GPU with 132, so the GPU does not idle for lack of programs; each SM idles within its one
+# program, whose 4 warps walk the key blocks one after another: while they wait for a load or for
+# the tensor cores, no other program can use that SM. Below, :math:`N` stays fixed and
+# :math:`B \cdot H` is one, two, four and eight times the SM count. If the rate grows with programs
+# per SM, the kernel is latency-bound, and the fix is more, smaller independent pieces of work per
+# SM: FlashAttention-2's backward, one program per *key block*.
 
 if __name__ == "__main__" and ON_GPU:
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
@@ -898,7 +852,7 @@ if __name__ == "__main__" and ON_GPU:
         ms = backward_ms(lambda q, k, v: attention(q, k, v, False, D ** -0.5), q, k, v)
         rates[per_sm] = 2.5 * 4 * per_sm * sms * N * N * D / ms * 1e-9
         print(f"{per_sm} program(s) per SM ({per_sm * sms} in all), N={N}, D={D}: backward at {rates[per_sm]:.0f} "
-              f"TFLOP/s")
+              "TFLOP/s")
     gain = rates[8] / rates[1]
     enough = min(per_sm for per_sm, rate in rates.items() if rate >= 0.95 * max(rates.values()))
     print(f"Eight programs per SM run the same kernel {gain:.1f}x as fast as one, and {enough} per SM already come "
@@ -911,23 +865,19 @@ elif __name__ == "__main__":
 # %%
 # Exercises
 # ---------
-# 1. **Normalized at every step.** FlashAttention-1 keeps the output normalized after every key
-#    block (see "From rows to blocks"), where ``one_row_attention`` above keeps the unnormalized
-#    :math:`a` and divides once at the end, as FlashAttention-2 does. Write
-#    ``running_attention(q, k, v, scale)`` for one query row that keeps no :math:`a`, only the
-#    normalized output :math:`o`, updated key by key with the two factors
-#    :math:`\ell e^{m - m'} / \ell'` and :math:`e^{s_j - m'} / \ell'`. It returns a tensor of shape
-#    ``(n, d)`` whose row :math:`j` is :math:`o` after key :math:`j`: the attention output over
-#    keys :math:`0 \ldots j`. Then ``check_running_attention(running_attention)``, which tries 20
-#    random rows, some with a score of 1,000, past what :math:`e^s` can hold even in float64, and
-#    allows the rounding of float32 arithmetic. (It compares outputs only: it cannot tell which
-#    update produced them.)
+# 1. **Normalized at every step.** ``one_row_attention`` keeps the unnormalized :math:`a`, as
+#    FlashAttention-2 does. Write ``running_attention(q, k, v, scale)`` for one query row that keeps
+#    only the normalized output :math:`o`, as FlashAttention-1 does (see "From rows to blocks"),
+#    updated key by key with the factors :math:`\ell e^{m - m'} / \ell'` and
+#    :math:`e^{s_j - m'} / \ell'`. It returns an ``(n, d)`` tensor whose row :math:`j` is :math:`o`
+#    after key :math:`j`. Then ``check_running_attention(running_attention)``: 20 random rows, some
+#    with a score of 1,000, past what :math:`e^s` can hold even in float64, to float32's rounding.
+#    (It compares outputs only: it cannot tell which update produced them.)
 # 2. **Merge two partial states.** Split the keys of one query row in two parts, anywhere; each
-#    part gives a state :math:`(m, \ell, a)` computed as above. Write ``merge(state1, state2)``
-#    returning the state of all the keys: its maximum, and its sum and unnormalized output
-#    relative to that maximum, so that the result can itself be merged again and ``a / l`` is the
-#    row's attention output. (This is the combine step of the long-row softmax lesson, and of
-#    decoding kernels that split the keys among programs.) Then ``check_merge(merge)``.
+#    gives a state :math:`(m, \ell, a)` as above. Write ``merge(state1, state2)`` returning the state
+#    of all the keys: its maximum, and its sum and unnormalized output relative to that maximum, so
+#    that it can be merged again and ``a / l`` is the row's output; then ``check_merge(merge)``.
+#    (This is the combine step of lesson 02, and of decoding kernels that split the keys.)
 
 
 def check_running_attention(fn):
