@@ -2,7 +2,7 @@
 Hopper I: a warp-specialized forward in Gluon
 =============================================
 
-The portable FlashAttention-2 forward of the previous lesson has every warp do everything in turn.
+The portable FlashAttention-2 forward of lesson 05 has every warp do everything in turn.
 FlashAttention-3 (Shah et al., 2024) gives the warps of a program *roles* instead: one warp only
 loads, two groups of warps only compute, and their matrix products run while the exponentials of
 the next block are being computed. This lesson writes that forward for Hopper GPUs (H100, H200) in
@@ -20,20 +20,18 @@ You will learn:
 * why fp8 needs V stored with the keys contiguous on Hopper, and what fp8 buys;
 * what the host pays to launch a kernel that needs TMA descriptors, measured against GPU time.
 
-This lesson needs ``04-fused-attention-v1.py``, ``05-fused-attention-v2-forward.py`` and
-``06-fused-attention-v2-backward.py`` next to it (the site's zip of all lessons has them): where
-Gluon cannot run (a CPU, or a GPU other than Hopper) it runs lesson 05's portable forward, and it
-always reuses lesson 06's backward and the earlier lessons' checks and benchmark helpers. On such a
-machine this page still shows the design and the portable kernel's numbers, and says why the Gluon
-kernel did not run.
+It needs ``04-fused-attention-v1.py``, ``05-fused-attention-v2-forward.py`` and
+``06-fused-attention-v2-backward.py`` next to it (the site's zip of all lessons has them) for lesson
+06's backward and the earlier lessons' checks and benchmark helpers. Where Gluon cannot run (a CPU, a
+GPU other than Hopper) it runs lesson 05's portable forward: the page still shows the design and that
+kernel's numbers, and says why the Gluon kernel did not run.
 """
 
 # %%
 # Where the kernels run
 # ---------------------
 # A CUDA GPU when there is one, otherwise the Triton interpreter on the CPU, switched on before the
-# first ``@triton.jit``. The interpreter cannot run Gluon kernels at all; they only run compiled,
-# on Hopper.
+# first ``@triton.jit``. The interpreter cannot run Gluon: Gluon kernels run only compiled, on Hopper.
 
 import functools
 import os
@@ -92,29 +90,27 @@ V2_BWD = load_sibling("06-fused-attention-v2-backward")
 # %%
 # Who waits for whom in the portable forward
 # ------------------------------------------
-# In the portable kernel each of a program's 4 or 8 warps walks the key blocks doing everything
-# in turn: it issues the loads of the next key block, waits for :math:`S = QK_j^T` on the tensor
-# cores, computes the exponentials on the ordinary cores while the tensor cores idle, then waits
-# for :math:`O \mathrel{+}= P_j V_j`. Triton's compiler pipelines the loads and overlaps some of
-# this on its own, but the program's shape stays "all warps, one step at a time". cuDNN and
-# FlashAttention-3 give the warps roles instead:
+# In the portable kernel all 4 or 8 warps of a program walk the key blocks doing everything in turn:
+# issue the next key block's loads, wait for :math:`S = QK_j^T` on the tensor cores, compute the
+# exponentials on the ordinary cores while the tensor cores idle, wait for :math:`O \mathrel{+}= P_j V_j`.
+# Triton pipelines the loads and overlaps some of this on its own, but the shape stays "all warps, one
+# step at a time". cuDNN and FlashAttention-3 give the warps roles instead:
 #
-# * **A producer warp** does nothing but issue bulk asynchronous copies (Hopper's Tensor Memory
-#   Accelerator, TMA) of K and V tiles into a ring of shared-memory buffers. Each buffer has two
-#   *mbarriers*, counters in shared memory that the hardware completes: "full" when the copy has
-#   landed, and "empty" when every consumer is done with the tile, so the producer may refill it.
-# * **Two consumer warp groups** (4 warps, 128 threads each) own 64 query rows each, so that while
-#   one computes exponentials, the other's matrix products can run. They never load anything.
-# * **Registers move to where the work is.** The program has 4 + 4 + 1 = 9 warps. A loader needs
-#   few registers; ``setmaxnreg`` lets it give most of its share back (it keeps 24 per thread), so
-#   that each consumer thread may hold up to 240, which its :math:`S` and :math:`O` tiles need.
-# * **Overlap inside each consumer.** Hopper's tensor-core instruction (``wgmma``) runs
-#   asynchronously: a consumer issues :math:`S_{j+1} = QK_{j+1}^T` and
-#   :math:`O \mathrel{+}= P_j V_j`, waits only for the first, and computes the exponentials of
-#   block :math:`j+1` while :math:`P_j V_j` still runs.
+# * **A producer warp** only issues bulk asynchronous copies (Hopper's Tensor Memory Accelerator, TMA)
+#   of K and V tiles into a ring of shared-memory buffers. Each buffer has two *mbarriers*, counters in
+#   shared memory that the hardware completes: "full" when the copy has landed, "empty" when every
+#   consumer is done with the tile and the producer may refill it.
+# * **Two consumer warp groups** (4 warps, 128 threads each) own 64 query rows each and never load:
+#   while one computes exponentials, the other's matrix products can run.
+# * **Registers move to where the work is.** The loader, one of the 4 + 4 + 1 = 9 warps, needs few:
+#   ``setmaxnreg`` lets it keep 24 per thread and hand the rest over, so that each consumer thread may
+#   hold up to 240, which its :math:`S` and :math:`O` tiles need.
+# * **Overlap inside each consumer.** Hopper's tensor-core instruction (``wgmma``) is asynchronous: a
+#   consumer issues :math:`S_{j+1} = QK_{j+1}^T` and :math:`O \mathrel{+}= P_j V_j`, waits only for the
+#   first, and computes block :math:`j+1`'s exponentials while :math:`P_j V_j` still runs.
 #
-# The picture shows one program over its first key blocks. It is a schedule, not a measurement:
-# the lengths of the bars are illustrative, the order of events is the kernel's.
+# The picture shows one program over its first key blocks: a schedule, not a measurement (the bars'
+# lengths are illustrative, the order of events is the kernel's).
 
 
 def draw_roles(blocks=4):
@@ -129,8 +125,7 @@ def draw_roles(blocks=4):
             ax.text(j * 3.0 + 0.6, 2.0, f"K{j}", ha="center", va="center", fontsize=10, color="white")
             ax.text(j * 3.0 + 1.9, 2.0, f"V{j}", ha="center", va="center", fontsize=10, color="white")
         for lane, offset in (("consumer group 0", 1.4), ("consumer group 1", 2.4)):
-            t = j * 3.0 + offset
-            y = lanes[lane]
+            t, y = j * 3.0 + offset, lanes[lane]
             if j < blocks:
                 ax.broken_barh([(t, 0.8)], (y - 0.3, 0.6), color=tensor)
                 ax.text(t + 0.4, y, f"S{j}", ha="center", va="center", fontsize=10, color="white")
@@ -140,9 +135,8 @@ def draw_roles(blocks=4):
                 ax.broken_barh([(t + 0.85, 1.1)], (y - 0.42, 0.12), color=tensor)
                 ax.text(t + 1.4, y - 0.55, f"P{j - 1}V{j - 1}", ha="center", va="center", fontsize=10)
     ax.set_yticks(list(lanes.values()), list(lanes.keys()), fontsize=10)
-    ax.set_xticks([])
+    ax.set(xticks=[], ylim=(-0.8, 2.5))
     ax.set_xlabel("time (illustrative)", fontsize=10)
-    ax.set_ylim(-0.8, 2.5)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in (copy, tensor, alu)]
     ax.legend(handles, ["TMA copy into a buffer", "tensor cores (wgmma)", "exponentials (ordinary cores)"],
               loc="upper center", bbox_to_anchor=(0.5, 1.22), ncol=3, fontsize=10, frameon=False)
@@ -156,17 +150,16 @@ if __name__ == "__main__":
 # %%
 # A ring of buffers, and the phases of its barriers
 # -------------------------------------------------
-# K and V tiles travel through a ring of ``STAGES`` buffers: block :math:`j` uses buffer
-# :math:`j \bmod \mathrm{STAGES}`. Each buffer's "full" barrier completes once per use, and so
-# does its "empty" barrier. An mbarrier does not count uses; it only remembers the *parity* of the
-# uses it has completed, its phase, and a wait names the parity it waits for. Block :math:`j` is
-# buffer :math:`j \bmod \mathrm{STAGES}`'s use number :math:`\lfloor j / \mathrm{STAGES} \rfloor`,
-# so the consumer waits for "full" to reach parity :math:`\lfloor j / \mathrm{STAGES} \rfloor
-# \bmod 2`. The loader, before refilling that buffer, waits for "empty" to show that the previous
-# use was consumed: the opposite parity. A fresh barrier counts as having completed parity 1,
-# so the loader's first wait on each buffer passes at once. ``ring_slot`` computes what the kernel
-# computes, and the picture draws it. (The kernel numbers its key blocks across all the tiles that one
-# program handles, not from zero in each tile: see "One program per SM" below.)
+# K and V tiles travel through a ring of ``STAGES`` buffers: block :math:`j` is buffer
+# :math:`j \bmod \mathrm{STAGES}`'s use number :math:`\lfloor j / \mathrm{STAGES} \rfloor`, and each use
+# completes the buffer's "full" barrier once and its "empty" barrier once. An mbarrier does not count
+# uses; it remembers only the *parity* of those it has completed, its phase, and a wait names the parity
+# it waits for. So the consumer waits for "full" to reach parity
+# :math:`\lfloor j / \mathrm{STAGES} \rfloor \bmod 2`, and the loader, before refilling the buffer, waits
+# for "empty" to show that the previous use was consumed: the opposite parity. A fresh barrier counts as
+# having completed parity 1, so the loader's first wait on each buffer passes at once. ``ring_slot``
+# computes what the kernel computes, and the picture draws it. (The kernel numbers its key blocks across
+# all the tiles that one program handles, not from zero in each: see "One program per SM" below.)
 
 
 def ring_slot(j, stages):
@@ -184,9 +177,8 @@ def draw_ring(blocks=6, stages=2):
         ax.add_patch(plt.Rectangle((j, buffer), 0.92, 0.9, color=["#3b7dd8", "#e4a23c", "#2ca02c"][buffer % 3]))
         ax.text(j + 0.46, buffer + 0.45, f"block {j}\nfull: wait {full}\nempty: wait {empty}", ha="center",
                 va="center", fontsize=10, color="white")
-    ax.set(xlim=(0, blocks), ylim=(stages, 0))
+    ax.set(xlim=(0, blocks), ylim=(stages, 0), xticks=[])
     ax.set_yticks([b + 0.45 for b in range(stages)], [f"buffer {b}" for b in range(stages)], fontsize=10)
-    ax.set_xticks([])
     ax.set_xlabel("key blocks, in the order the loader fills them", fontsize=10)
     fig.tight_layout()
     return fig
@@ -199,35 +191,30 @@ if __name__ == "__main__":
 # Why Gluon
 # ---------
 # Triton's compiler decides for itself which warps do what, and on Hopper its automatic warp
-# specialization (``tl.range(..., warp_specialize=True)``) does not find this schedule. Gluon lets
-# the program say it: explicit layouts, shared-memory buffers, mbarriers, TMA copies, asynchronous
-# ``warpgroup_mma`` and ``warp_specialize``, which runs one function in the program's own 4 warps
-# (the first consumer) and others in extra warps (the second consumer, and the loader). The kernel
-# below is that design, small enough to read in one sitting. Three more details before reading it:
+# specialization (``tl.range(..., warp_specialize=True)``) does not find this schedule. Gluon lets the
+# program say it: explicit layouts, shared-memory buffers, mbarriers, TMA copies, asynchronous
+# ``warpgroup_mma``, and ``warp_specialize``, which runs one function in the program's own 4 warps (the
+# first consumer) and others in extra warps (the second consumer, the loader). Three more details:
 #
-# * The TMA copies read 4-D boxes (1 batch, 1 head, 64 or 128 rows, :math:`D`) out of the
-#   (B, H, N, D) tensors, with whatever strides those have, and fill rows past :math:`N` with zeros.
-#   So any sequence length and the transposed inputs work. Only the last, ragged key block needs a
-#   mask. The price: TMA needs the last dimension contiguous and the other strides to be positive
-#   multiples of 16 bytes (a head broadcast with ``expand``, stride 0, does not qualify). Other
-#   inputs take the portable kernel.
-# * The tiles are fixed: 128 queries (two halves of 64) by 128 keys, with 2 buffers each for K and
-#   V: at :math:`D = 128`, 32 KiB of Q and 128 KiB of K and V in shared memory. There is no
-#   autotuning here: the descriptors' boxes and the barriers are sized with the tiles. (The
-#   engineering notes of this site record the other tile shapes and buffer counts that were
-#   measured.)
-# * The output leaves through a change of layout. The accumulator of ``warpgroup_mma`` gives each
-#   thread pairs of adjacent values scattered over eight rows, so storing O straight from it takes
-#   4-byte stores. Converting it first to a layout in which each thread holds 8 adjacent values
-#   (16 bytes) and each warp whole rows makes the stores wide and coalesced. In a comparison on an
-#   H100 (2026-11-23, recorded in the engineering notes, not measured by this page), that alone made
-#   this kernel 12% faster by GPU time at :math:`D = 128`, N = 1024, without a mask (462 to 517
-#   TFLOP/s), and left long sequences unchanged: the epilogue runs once per tile, so it weighs most
-#   where a tile has few key blocks.
+# * TMA copies 4-D boxes (1 batch, 1 head, 64 or 128 rows, :math:`D`) out of the (B, H, N, D) tensors,
+#   whatever their strides, and fills rows past :math:`N` with zeros: any sequence length and the
+#   transposed inputs work, and only the last, ragged key block needs a mask. The price: TMA needs the
+#   last dimension contiguous and the other strides positive multiples of 16 bytes (a head broadcast
+#   with ``expand``, stride 0, does not qualify). Other inputs take the portable kernel.
+# * The tiles are fixed, with no autotuning, as the descriptors' boxes and the barriers are sized with
+#   them: 128 queries (two halves of 64) by 128 keys, 2 buffers each for K and V; at :math:`D = 128`,
+#   32 KiB of Q and 128 KiB of K and V in shared memory. (The engineering notes of this site record the
+#   other tile shapes and buffer counts that were measured.)
+# * The output leaves through a change of layout. ``warpgroup_mma``'s accumulator gives each thread
+#   pairs of adjacent values scattered over eight rows: stored straight from it, O takes 4-byte stores.
+#   Converted first to a layout in which each thread holds 8 adjacent values (16 bytes) and each warp
+#   whole rows, it takes wide, coalesced ones. In a comparison on an H100 (2026-11-23, recorded in the
+#   engineering notes, not measured by this page) that alone made this kernel 12% faster by GPU time at
+#   :math:`D = 128`, N = 1024, without a mask (462 to 517 TFLOP/s), and left long sequences unchanged:
+#   the epilogue runs once per tile, so it weighs most where a tile has few key blocks.
 #
-# Gluon is experimental, and its names still move: Triton 3.6 calls the TMA copy
-# ``async_copy_global_to_shared``, later versions ``async_load``; the lesson picks whichever
-# exists.
+# Gluon is experimental and its names still move: Triton 3.6 calls the TMA copy
+# ``async_copy_global_to_shared``, later versions ``async_load``; the lesson takes whichever exists.
 
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
@@ -239,27 +226,24 @@ _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_glo
 # %%
 # One program per SM
 # ------------------
-# At :math:`N = 1024` a tile of 128 queries meets only 8 key blocks, and a program that ran one
-# tile would spend much of its life starting and finishing: loading Q, waiting for the first K,
-# then the last product, the division by the row sums and the store of O, with the tensor cores
-# idle each time. So the kernel is *persistent*: it launches one program per SM, and program
-# ``pid`` walks tiles (pairs of tiles under causal masking, below) ``pid``, ``pid + programs``, and
-# so on. Three things follow.
+# At :math:`N = 1024` a tile of 128 queries meets only 8 key blocks, and a program that ran one tile
+# would spend much of its life starting (loading Q, waiting for the first K) and finishing (the last
+# product, the division by the row sums, the store of O), with the tensor cores idle each time. So the
+# kernel is *persistent*: it launches one program per SM, and program ``pid`` walks tiles (pairs of
+# tiles under causal masking, below) ``pid``, ``pid + programs``, and so on. Three things follow.
 #
-# * The ring runs on across tiles. The loader and the consumers count the program's key blocks
+# * The ring runs on across tiles: the loader and the consumers count the program's key blocks
 #   (``used``), and every barrier's phase is wherever the previous tile left it.
-# * Q has barriers of its own. The consumers release Q after their last product with it, so the
-#   loader fetches the next tile's Q and first K and V while the consumers still finish the
-#   previous tile: its last product, its division and its store.
-# * Causal tiles differ in length: query block :math:`m` loads :math:`m + 1` key blocks. Handed
-#   out round robin, some programs would get mostly long tiles. Blocks :math:`m` and
-#   :math:`n_m - 1 - m` (of :math:`n_m`) together load :math:`n_m + 1`, so each program takes
-#   whole pairs, and every pair costs the same (when :math:`n_m` is odd, the middle block is a
-#   pair by itself, at half the cost).
+# * Q has barriers of its own. The consumers release Q after their last product with it, so the loader
+#   fetches the next tile's Q and first K and V while the consumers still finish the previous tile.
+# * Causal tiles differ in length: query block :math:`m` loads :math:`m + 1` key blocks, and handed out
+#   round robin, some programs would get mostly long tiles. Blocks :math:`m` and :math:`n_m - 1 - m`
+#   (of :math:`n_m`) together load :math:`n_m + 1`, so each program takes whole pairs, all of one cost
+#   (when :math:`n_m` is odd, the middle block is a pair by itself, at half the cost).
 #
-# Consecutive tiles belong to the same head, so the programs that run at the same time share
-# their K and V through L2, as they did when each tile had its own program. The cell after the
-# host's measures what persistence buys, with this same kernel launched one program per tile.
+# Consecutive tiles belong to the same head, so the programs running at the same time share its K and
+# V through L2, as they did with one program per tile. "What one program per SM buys", below, measures
+# persistence with this same kernel launched one program per tile.
 
 WS_HEAD_DIMS = (64, 128)
 WS_BLOCK_M, WS_BLOCK_N, WS_STAGES = 128, 128, 2
@@ -288,8 +272,7 @@ def _ws_softmax_step(s, m_i, l_i, qk_scale, rows, cols, N, MASKED: gl.constexpr,
 def _ws_tile(k, pid, programs, n_m, CAUSAL: gl.constexpr):
     """(query block, batch * head, whether to run it) of the k-th tile of program pid."""
     if CAUSAL:
-        # Query block m loads m + 1 key blocks; blocks m and n_m - 1 - m together load n_m + 1. Each program
-        # takes whole pairs, the heavy tile first; when n_m is odd the middle block pairs with itself.
+        # Whole pairs (m, n_m - 1 - m), the heavy tile first; when n_m is odd the middle block pairs with itself.
         pairs = (n_m + 1) // 2
         pair = pid + (k // 2) * programs
         light = pair % pairs
@@ -360,9 +343,7 @@ def _ws_consumer(HALF: gl.constexpr, q_smem, k_smem, v_smem, q_full, q_empty, k_
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(0, o_layout, 2)
-    # wgmma leaves each thread pairs of adjacent values, so stores from its layout are 4 bytes wide.
-    # Rearranged first (the compiler goes through shared memory), each thread holds 8 adjacent values
-    # and each warp whole rows: 16-byte, coalesced stores (the text before the kernel gives the gain).
+    # The 16-byte, coalesced store layout of "Why Gluon" (the compiler converts to it through shared memory).
     store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [4, 1], [1, 0])
     dtype: gl.constexpr = q_smem.dtype
     q = q_smem.index(HALF).reshape([ROWS, D])
@@ -400,8 +381,7 @@ def _ws_consumer(HALF: gl.constexpr, q_smem, k_smem, v_smem, q_full, q_empty, k_
                 mbarrier.wait(v_full.index(vs), ((used + j - 1) // STAGES) & 1)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
                 o_next = warpgroup_mma(p_op, v_smem.index(vs).reshape([BLOCK_N, D]), acc, is_async=True)
-                # wgmma groups finish in order: "at most 1 in flight" means S_j is ready, P_{j-1} V_{j-1} may
-                # still run.
+                # wgmma groups finish in order: "at most 1 in flight" means S_j is ready, P_{j-1} V_{j-1} may run on.
                 s = warpgroup_mma_wait(1, deps=[s_next])
                 mbarrier.arrive(k_empty.index(ks), count=1)
                 if j == n_blocks - 1:
@@ -460,8 +440,7 @@ def attn_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, qk_scale, H, BH, N, sob, 
     v_full = _ws_barrier_ring(STAGES, 1)
     k_empty = _ws_barrier_ring(STAGES, 2)
     v_empty = _ws_barrier_ring(STAGES, 2)
-    # The argument tuples are written out in the call: a tuple stored in a variable first would
-    # turn its compile-time constants into run-time values.
+    # Argument tuples are written out in the call: one stored in a variable first turns its constexprs run-time.
     gl.warp_specialize([
         (_ws_consumer, (0, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty, O, LSE,
                         qk_scale, pid, programs, n_m, BH, H, N, sob, soh, son, D, CAUSAL, BLOCK_M // 2, BLOCK_N,
@@ -475,9 +454,7 @@ def attn_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, qk_scale, H, BH, N, sob, 
 
 
 def tma_loadable(t):
-    """Whether TMA can copy boxes of t: its last dimension contiguous, its other strides positive
-    multiples of 16 bytes (a broadcast axis, stride 0, as in k.expand(...), is out) and its data
-    16-byte aligned."""
+    """Whether TMA can copy boxes of t: the strides "Why Gluon" asks for (no broadcast stride 0), aligned data."""
     return (t.stride(-1) == 1 and all(s > 0 and s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
             and t.data_ptr() % 16 == 0)
 
@@ -506,11 +483,9 @@ def _ws_box_layout(rows, D, dtype):
 
 
 class CheckedDescriptor(TensorDescriptor):
-    """A TensorDescriptor that skips its own checks. TensorDescriptor checks alignment, strides and the box
-    each time one is made, which is host time on every call ("Host time and GPU time at the smallest
-    size" measures a call's host time); the launchers make descriptors only of tensors that
-    warp_specialized_unsupported accepted or that they allocated themselves, so those checks would
-    repeat what is already known."""
+    """A TensorDescriptor without its own checks of alignment, strides and box, which cost host time on every
+    call ("Host time and GPU time at the smallest size"): the launchers describe only tensors that
+    warp_specialized_unsupported accepted or that they allocated, so the checks would repeat what is known."""
 
     def __post_init__(self):
         pass
@@ -533,8 +508,7 @@ def _ws_forward(q, k, v, o, lse, causal, sm_scale, programs=None):
     n_m = V2.host_cdiv(N, WS_BLOCK_M)
     work = (n_m + 1) // 2 * B * H if causal else n_m * B * H  # pairs of tiles, or tiles
     programs = min(programs or _sm_count(q.device.index), work)
-    # Lesson 05's launch plans ("The launcher"): the descriptors hold this call's tensors, so they
-    # are among the arguments passed afresh.
+    # Lesson 05's launch plans ("The launcher"): the descriptors hold this call's tensors, so they are passed afresh.
     V2.launch_planned(
         V2.plan_key(q, k, v), attn_fwd_ws_kernel, (programs,), 6,
         (_ws_descriptor(q, WS_BLOCK_M // 2), _ws_descriptor(k, WS_BLOCK_N), _ws_descriptor(v, WS_BLOCK_N), o, lse,
@@ -546,25 +520,21 @@ def _ws_forward(q, k, v, o, lse, causal, sm_scale, programs=None):
 # %%
 # The launcher and autograd
 # -------------------------
-# Neither forward wins everywhere. The Gluon kernel's three TMA descriptors cost host time on every
-# call, and its one tile shape is not the best one at every head dimension and length, where the
-# portable kernel runs the configuration measured for the case. So ``attention`` asks the same sweep
-# that tuned lesson 05's tiles (``python tools/tune.py attention``), which also timed both forwards
-# as a user calls them and recorded the faster one per case in ``FORWARD_PATHS``. A path's time
-# there is the slower of two: its GPU time, and the host's time to enqueue one call. A training loop
-# calls back to back, so whichever is slower sets its pace. At :math:`N = 1024` the Gluon call's
-# host time is about as long as its GPU time or longer, while the portable call asks the host for
-# less (the section "Host time and GPU time at the smallest size" measures both), and there the path
-# that asks the host for less can win with more GPU time. Called with ``warp_specialized=None``,
-# ``attention`` runs the table's path; a case the table does not cover runs Gluon where it can. The
-# sweep ran before this page's build (lesson 05's ``TUNED_ON`` says on which GPU), and this page's
-# benchmark times differently: it clears L2 before each call, which gives the host a head start. So
-# its timings can disagree with the table, most at the shortest lengths and elsewhere where two
-# paths are close; the line under the benchmark's table counts the cases where they agree. ``True``
-# insists on Gluon, with an error that says why when it cannot run, and ``False`` asks for the
-# portable kernel. Both forwards write the same output and the same :math:`\mathrm{LSE}_2`, so the
-# backward is the previous lesson's two-pass backward either way. (The next lesson replaces it on
-# Hopper.)
+# Neither forward wins everywhere: the Gluon call's three TMA descriptors cost host time, and its one
+# tile shape is not the best at every head dimension and length, where the portable kernel runs the
+# tiles measured for the case. So ``attention`` follows ``FORWARD_PATHS``: the sweep that tuned lesson
+# 05's tiles (``python tools/tune.py attention``) also timed both forwards as a user calls them, each
+# as the slower of its GPU time and the host's time to enqueue one call (back to back, as in training,
+# the slower sets the pace), and recorded the faster per case. At :math:`N = 1024`, where the Gluon
+# call's host time is about its GPU time or longer ("Host time and GPU time at the smallest size"), the
+# portable call, lighter on the host, can win with more GPU time. The sweep ran before this page's
+# build (lesson 05's ``TUNED_ON`` says on which GPU), and this page's benchmark, which gives the host a
+# head start, can disagree with it where two paths are close, most at the shortest lengths: the line
+# under its table counts the cases where they agree. ``warp_specialized=None`` runs the table's path
+# (Gluon where it can, in a case the table does not cover), ``True`` insists on Gluon (an error says
+# why when it cannot run), ``False`` asks for the portable kernel. Both forwards write the same output
+# and :math:`\mathrm{LSE}_2`, so the backward is lesson 06's two-pass one either way (the next lesson
+# replaces it on Hopper).
 
 # BEGIN tools/tune.py forward paths: written by the sweep; run it again rather than edit these lines.
 # N = 1024, 2048: tools/tune.py attention-paths, 2026-11-26, NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, Triton 3.6.0
@@ -617,13 +587,11 @@ def check_flag(name, value):
 
 def forward_choice(q, causal, warp_specialized, gluon):
     """Whether to run the Gluon forward: the faster one measured for this case, unless the caller chose.
-    gluon() gives gluon_allowed's answer; finding it out costs host time, so it is asked only when the
-    table or the caller does not already settle the choice."""
+    gluon() gives gluon_allowed's answer, asked only when neither the table nor the caller settles it."""
     return bool(warp_specialized or FORWARD_PATHS.get(V2.tuned_case(q, causal), "gluon") == "gluon") and gluon()
 
 
 def use_warp_specialized(q, k, v, causal, sm_scale, warp_specialized):
-    """Whether to run the Gluon forward: the faster one measured for this case, unless the caller chose."""
     check_flag("warp_specialized", warp_specialized)
     return forward_choice(q, causal, warp_specialized, lambda: gluon_allowed(q, k, v, warp_specialized, sm_scale))
 
@@ -640,16 +608,14 @@ def attention(q, k, v, causal, sm_scale, warp_specialized=None):
 # %%
 # Correctness
 # -----------
-# The forward and the gradients that follow it, against float64 PyTorch on fresh random inputs:
-# both head dims, both dtypes, causal and not, at a length that no block size divides (1,000 on a
-# GPU). On a machine where the Gluon kernel cannot run, the same check runs the portable
-# fallback, and the page says so.
+# The forward and the gradients through it against float64 PyTorch on fresh random inputs: both head
+# dims, both dtypes, causal and not, at a length no block size divides (1,000 on a GPU); where Gluon
+# cannot run, of the portable fallback.
 
 
 def check_every_case(checked, lesson):
-    """Lesson 04's check_against_float64 of checked at both head dims, both dtypes, causal and not, N = 1,000 on a
-    GPU, with the kernels compiled ahead (lesson 04's compile_ahead); prints each case's errors. Lesson 08 checks
-    its backward with it too."""
+    """Lesson 04's check_against_float64 of `checked` in the cases above, compiled ahead (lesson 04's
+    compile_ahead); prints each case's errors. Lesson 08 checks its backward with it too."""
     N = 1000 if ON_GPU else 65
     cases = {(D, dtype, causal): [torch.randn(2, 3, N, D, device=DEVICE, dtype=dtype) for _ in range(3)]
              for D in (64, 128) for dtype in (torch.float16, torch.bfloat16) for causal in (False, True)}
@@ -676,25 +642,23 @@ if __name__ == "__main__":
 # fp8 on Hopper: the layout of V
 # -------------------------------
 # Hopper's tensor cores (and Ada's) also multiply 8-bit floats, by the datasheets at twice the fp16
-# rate (the benchmark below measures what lesson 05's kernel gets of it), and an 8-bit tile is half
-# the bytes to load. Lesson 05's portable forward kernel takes ``float8_e5m2`` inputs as they are:
-# ``tl.dot`` of two fp8 tiles accumulates in fp32, :math:`P` is cast to V's dtype before the second
-# product, and the output is fp16. What must change is not in the kernel but in memory. Hopper's
-# matrix instruction (``wgmma``) accepts an 8-bit tile from shared memory only with the *reduction*
-# axis contiguous (16-bit tiles may come either way round), and it reduces over at least 32 values,
-# so head dims below 32 are refused. In :math:`QK^T` the reduction runs over the head dimension,
-# which is contiguous in Q and K as they are usually stored. In :math:`PV` it runs over the keys,
-# and a (B, H, N, D) tensor stores each key's D values together: the wrong way round. Fed that, the
-# compiler has to transpose every V tile on its way to the tensor cores (the engineering notes of
-# this site record what that cost on an H100).
+# rate (the benchmark below measures what lesson 05's kernel gets of it), and an 8-bit tile is half the
+# bytes to load. Lesson 05's portable forward takes ``float8_e5m2`` inputs as they are: ``tl.dot`` of
+# two fp8 tiles accumulates in fp32, :math:`P` is cast to V's dtype before the second product, and the
+# output is fp16. What must change is in memory. ``wgmma`` accepts an 8-bit tile from shared memory
+# only with the *reduction* axis contiguous (16-bit tiles may come either way round), and reduces over
+# at least 32 values, so head dims below 32 are refused. In :math:`QK^T` the reduction runs over the
+# head dimension, contiguous in Q and K as they are usually stored; in :math:`PV` it runs over the keys,
+# and a (B, H, N, D) tensor stores each key's D values together: the wrong way round, so the compiler
+# has to transpose every V tile on its way to the tensor cores (the engineering notes of this site
+# record what that cost on an H100).
 #
-# The fix is a layout: the same V with the sequence axis contiguous. The kernel needs no change,
-# since it takes every stride and Triton sees from them which axis of a tile is contiguous. The
-# launcher makes that copy when it is given another layout; code that quantizes V to fp8 anyway can
-# write the layout during the cast, at no extra cost, as ``keys_contiguous`` does in the benchmark
-# below. With e5m2's two mantissa bits, the check below compares against float64 attention *on the
-# same fp8 inputs*, so that it measures the kernel (including :math:`P` rounded to fp8) rather than
-# the quantization of the inputs.
+# The fix is a layout: the same V with the sequence axis contiguous. The kernel takes every stride, and
+# Triton sees from them which axis of a tile is contiguous, so it needs no change; the launcher makes
+# that copy when given another layout, and code that quantizes V to fp8 anyway can write the layout
+# during the cast at no extra cost, as ``keys_contiguous`` does below. With e5m2's two mantissa bits,
+# the check compares against float64 attention *on the same fp8 inputs*, so that it measures the kernel
+# (:math:`P` rounded to fp8 included) rather than the quantization of the inputs.
 
 if __name__ == "__main__":
     if V2.V1.fp8_supported():
@@ -715,24 +679,24 @@ if __name__ == "__main__":
 # %%
 # Benchmark
 # ---------
-# The forward pass in TFLOP/s at the previous lesson's sizes, against the portable kernel and
-# SDPA's backends, measured in this run the same way (on a GPU each provider timed twice in
-# alternating order, more often where the two disagree, the fastest kept). The ceiling is the fp16
-# matrix-multiply rate measured in this run. Under the interpreter there is no Gluon kernel to run:
-# lessons 05 and 06's kernels stand in for it, so the page still runs, and its tables compare them with
-# SDPA's math backend.
+# The forward pass in TFLOP/s at lesson 05's sizes against the portable kernel and SDPA's
+# backends, measured in this run the same way (on a GPU each provider timed twice in alternating order,
+# more often where the two disagree, the fastest kept), under the fp16 matrix-multiply rate measured in
+# this run. Under the interpreter no Gluon kernel runs: lessons 05 and 06's kernels stand in for it, so
+# the page still runs, and its tables compare them with SDPA's math backend.
 
 WS = "Triton, warp-specialized (Gluon)"
 PORTABLE = "Triton v2 (lessons 05, 06)"
 ATOMIC = V2_BWD.ATOMIC  # lesson 06's atomic backward, which lesson 08's table may choose
+DEFAULT = "Triton, default path"
+FP8 = "Triton v2 fp8"
 
 
 def portable_and_sdpa(causal, D):
     """Lessons 05 and 06's kernels and SDPA's backends: what both Hopper lessons measure themselves against."""
     scale = D ** -0.5
-    providers = {PORTABLE: lambda q, k, v: V2_BWD.attention(q, k, v, causal, scale)}
-    providers.update(V2.sdpa_providers(causal, scale, V2.PEERS))
-    return providers
+    return {PORTABLE: lambda q, k, v: V2_BWD.attention(q, k, v, causal, scale),
+            **V2.sdpa_providers(causal, scale, V2.PEERS)}
 
 
 def hopper_benchmark(mode, extra_providers, title):
@@ -740,8 +704,7 @@ def hopper_benchmark(mode, extra_providers, title):
     import matplotlib.pyplot as plt
     import pandas as pd
 
-    cases, sizes = V2.CASES, V2.SIZES
-    peak = V2.matmul_tflops()
+    cases, sizes, peak = V2.CASES, V2.SIZES, V2.matmul_tflops()
     print(f"{V2.V1.CEILING_NAME}, measured now: {peak:.3g} TFLOP/s")
     results = pd.DataFrame(V2.run_benchmark(cases, sizes, portable_and_sdpa, (mode,), extra_providers))
     table = results.pivot_table(index=["D", "causal", "mode", "N"], columns="provider", values="value", sort=False)
@@ -751,8 +714,7 @@ def hopper_benchmark(mode, extra_providers, title):
 
 
 def against_portable(table, peak, portable_name):
-    """One line per (head dim, masking): Gluon against SDPA and the portable kernel, or the portable kernel
-    against SDPA."""
+    """One line per (head dim, masking): Gluon against SDPA and the portable kernel, or else the portable one."""
     peers = [c for c in V2.PEERS if c in table]
     for (D, causal, _), part in table.groupby(level=["D", "causal", "mode"], sort=False):
         best_peer = part[peers].max(axis=1)
@@ -770,9 +732,6 @@ def against_portable(table, peak, portable_name):
     return peers
 
 
-DEFAULT = "Triton, default path"
-
-
 def _below_one(ratio):
     """"0.998x" rather than "1.00x" for a ratio just under 1, which the count of cases at or above 1 leaves out."""
     digits = 2
@@ -782,9 +741,8 @@ def _below_one(ratio):
 
 
 def default_path(results, table, provider_of, peers, paths):
-    """The default path's rows, and a line that reads them: at each case, the measurement of the provider
-    that provider_of(D, causal, N) names, which is what ``attention`` runs there by default; paths names
-    the table of paths it follows."""
+    """The default path's rows, the measurements of provider_of(D, causal, N), which ``attention`` runs by
+    default there (paths names the table it follows), and a line that reads them."""
     rows = [dict(row, provider=DEFAULT) for row in results.drop(columns="spread").to_dict("records")
             if row["provider"] == provider_of(row["D"], row["causal"], row["N"])]
     chosen = {(row["D"], row["causal"], row["mode"], row["N"]): row["value"] for row in rows}
@@ -803,11 +761,8 @@ def default_forward(D, causal, N):
     return WS if use_warp_specialized(q, q, q, causal, D ** -0.5, None) else PORTABLE
 
 
-FP8 = "Triton v2 fp8"
-
-
 def hopper_providers(q, k, v, causal, D):
-    """The Gluon forward where it runs, and lesson 05's fp8 forward, on fp8 copies of the case's inputs, where the
+    """The Gluon forward where it runs, and lesson 05's fp8 forward on fp8 copies of the case's inputs where the
     GPU has fp8 tensor cores."""
     providers = {}
     if warp_specialized_unsupported(q, k, v) is None:
@@ -826,30 +781,26 @@ if __name__ == "__main__":
     print(V2.describe_platform())
 
 # %%
+# The plot, and then the table in TFLOP/s:
 
 if __name__ == "__main__":
     results, table, peak, cases, sizes = hopper_benchmark("fwd", hopper_providers, "Forward pass")
-
-# %%
-# The table, in TFLOP/s:
-
 V2.results_table(results) if __name__ == "__main__" else None
 
 # %%
 # Reading the numbers
 # -------------------
-# Computed from the table above, in this run. Expect :math:`D = 64` to sit further below the matmul
-# rate than :math:`D = 128`, for cuDNN as for this kernel. A score costs one exponential and
-# :math:`4D` FLOPs of matrix products, and the FlashAttention-3 paper gives the H100 SXM5
-# 989 TFLOP/s of fp16 products against 3.9 T exponentials per second: about 254 FLOPs per
-# exponential. At :math:`D = 64` (256 FLOPs per score) the exponentials take as long as the
-# products, at :math:`D = 128` half as long, so at 64 the speed rests on how well the two overlap.
-# An Nsight Compute profile at :math:`N = 4096` (in the engineering notes; on an H200, not in this
-# build) found the tensor cores busy about half the time at :math:`D = 64` in this kernel and in
-# cuDNN's alike, and 76% to 79% of the time (ours) against 70% to 75% (cuDNN's) at :math:`D = 128`.
-# The matmul rate is measured once per page, after a second of warm-up; it differs by a few percent
-# between the pages of one build (compare the ceilings that lessons 04 to 08 print), so a kernel
-# within a few percent of it, or even past it, is at the ceiling, not beyond it.
+# Computed from the table above, in this run. Expect :math:`D = 64` to sit further below the matmul rate
+# than :math:`D = 128`, for cuDNN as for this kernel. A score costs one exponential and :math:`4D` FLOPs
+# of matrix products, and the FlashAttention-3 paper gives the H100 SXM5 989 TFLOP/s of fp16 products
+# against 3.9 T exponentials per second: about 254 FLOPs per exponential. At :math:`D = 64` (256 FLOPs
+# per score) the exponentials take as long as the products, at :math:`D = 128` half as long, so at 64
+# the speed rests on how well the two overlap. An Nsight Compute profile at :math:`N = 4096` (in the
+# engineering notes; on an H200, not in this build) found the tensor cores busy about half the time at
+# :math:`D = 64` in this kernel and cuDNN's alike, and at :math:`D = 128` 76% to 79% of the time (ours)
+# against 70% to 75% (cuDNN's). The matmul rate is measured once per page, after a second of warm-up,
+# and differs by a few percent between the pages of one build (compare the ceilings that lessons 04 to
+# 08 print): a kernel within a few percent of it, or even past it, is at the ceiling, not beyond it.
 
 if __name__ == "__main__":
     peers = against_portable(table, peak, "lesson 05's kernel")
@@ -876,21 +827,20 @@ if __name__ == "__main__":
 # %%
 # Host time and GPU time at the smallest size
 # -------------------------------------------
-# At :math:`N = 1024` a forward pass is under a tenth of a millisecond of GPU work, and launching it
-# is not free: the autograd function, the input checks and the launch run in Python on every call,
-# and the Gluon forward also builds three TMA descriptors. When the host needs longer to enqueue a
-# call than the GPU needs to run it, the GPU idles between calls and a benchmark measures the host.
-# The benchmark here gives the host a head start: before each timed call, ``do_bench`` clears the L2
-# cache by writing a 256 MiB buffer, and the host enqueues the next call while the GPU writes. For
-# each case at the smallest size this cell measures the pieces: the host's time to enqueue one call
-# (without waiting for the GPU; the fastest of ten loops of 50 calls, in two rounds interleaved with
-# the other calls, since the host's speed drifts), also with lesson 05's launch plans cleared before
-# every call, so that each goes through Triton's JIT; the GPU's own time per call (the sum of its
-# kernels' durations from the CUDA profiler), for both forwards and for cuDNN; and the write. Then
-# it sets our ratio to cuDNN by GPU time beside the ratio that the benchmark above measured: where
-# they agree, the host did not pace the benchmark, and the gap at this size is GPU time. Host times
-# vary from machine to machine far more than GPU times do. (The usual cures for host time are CUDA
-# graphs, which replay a whole sequence of launches at once, or more work per call.)
+# At :math:`N = 1024` a forward pass is under a tenth of a millisecond of GPU work, and launching it is
+# not free: the autograd function, the input checks and the launch run in Python on every call, and the
+# Gluon forward also builds three TMA descriptors. When the host needs longer to enqueue a call than the
+# GPU needs to run it, the GPU idles between calls and a benchmark measures the host. The benchmark
+# above gives the host a head start: before each timed call, ``do_bench`` clears the L2 cache by writing
+# a 256 MiB buffer, and the host enqueues the next call while the GPU writes. For each case at the
+# smallest size this cell measures the pieces: the host's time to enqueue one call without waiting for
+# the GPU (the fastest of ten loops of 50 calls, in two rounds taking turns with the other calls, since
+# the host's speed drifts), also with lesson 05's launch plans cleared before every call, so that each
+# goes through Triton's JIT; the GPU's own time per call (its kernels' durations from the CUDA
+# profiler), for both forwards and for cuDNN; and the write. Where our ratio to cuDNN by GPU time agrees
+# with the benchmark's, the host did not pace the benchmark, and the gap at this size is GPU time. Host
+# times vary from machine to machine far more than GPU times do. (The usual cures for host time are
+# CUDA graphs, which replay a whole sequence of launches at once, or more work per call.)
 
 
 def kernel_ms(fn, calls=20):
@@ -932,8 +882,8 @@ def who_paced(by_gpu, by_benchmark, host, timed):
 
 
 def host_ms(fn, calls=50, loops=5):
-    """Host milliseconds to enqueue one call of fn, not waiting for the GPU: the fastest of several loops,
-    since other work on the machine only ever adds time (the benchmark keeps its fastest timing too)."""
+    """Host milliseconds to enqueue one call of fn, not waiting for the GPU: the fastest of several loops, since
+    other work on the machine only ever adds time (the benchmark keeps its fastest timing too)."""
     import time
 
     fn()
@@ -949,8 +899,7 @@ def host_ms(fn, calls=50, loops=5):
 
 
 def interleaved_host_ms(calls, rounds=2):
-    """{name: host_ms of calls[name]}, each the fastest of `rounds` rounds that take every call in turn: the
-    host's speed drifts, and taking turns gives every call the same share of the drift."""
+    """{name: host_ms of calls[name]}, the fastest of rounds that take the calls in turn, sharing out the drift."""
     host = {}
     for _ in range(rounds):
         for name, fn in calls.items():
@@ -993,16 +942,15 @@ elif __name__ == "__main__":
 # %%
 # What one program per SM buys
 # ----------------------------
-# The Gluon kernel twice, by GPU time per call (the profiler's, as above): with one program per SM,
-# as ``attention`` launches it, and with one program per tile (per pair of tiles under causal
-# masking), close to how a kernel that is not persistent runs: every program then finishes its one
-# unit of work with nothing after it to overlap. The same kernel and the same tiles either way (the
-# tests check that they give the same bits); only the number of programs differs. Each is profiled
-# twice, in alternating order, and keeps its faster profile: at the shortest length the same
-# kernel's profile can differ by a fifth or more from one cell or run to the next (compare the Gluon GPU
-# times above), so only the two launches measured side by side here are compared. At the longest
-# length a tile's start and end are a small part of its work, and the two come out close, either
-# way.
+# The Gluon kernel twice, by GPU time per call (the profiler's, as above): with one program per SM, as
+# ``attention`` launches it, and with one program per tile (per pair of tiles under causal masking),
+# close to a kernel that is not persistent, whose programs have nothing after their one unit of work to
+# overlap. Same kernel, same tiles (the tests check that both give the same bits); only the number of
+# programs differs. Each is profiled twice, in alternating order, and keeps its faster profile: at the
+# shortest length one kernel's profile can differ by a fifth or more from one cell or run to the next
+# (compare the Gluon GPU times above), so only the two launches measured side by side here are compared.
+# At the longest length a tile's start and end are a small part of its work, and the two come out close
+# either way. The table, on a Hopper GPU, gives both times per call and the gain.
 
 if __name__ == "__main__" and ON_GPU:
     import pandas as pd
@@ -1027,33 +975,26 @@ if __name__ == "__main__" and ON_GPU:
                                     "gain": round(ms["per tile"] / ms["per SM"], 2)})
 elif __name__ == "__main__":
     print("Persistence is a GPU question: the interpreter runs one program after another anyway.")
-
-# %%
-# On a Hopper GPU, the kernel's time per call launched with one program per tile (per pair of tiles
-# under the causal mask) and with one per SM, and the gain:
-
 pd.DataFrame(persistence).set_index(["D", "causal", "N"]) if __name__ == "__main__" and ON_GPU and persistence else None
 
 # %%
 # Exercises
 # ---------
 # 1. **Balancing causal tiles.** Under causal masking query block :math:`m` of a head loads
-#    :math:`m + 1` key blocks. Write ``schedule(n_m, heads, programs)``, where ``heads`` counts
-#    batch times heads: one list per program (empty where there is nothing left to run) of the
-#    ``(head, m)`` tiles it runs, so that every tile of every head runs exactly once and no program
-#    loads more than an even share of the key blocks plus :math:`n_m` (one tile's worth).
-#    ``check_schedule(schedule)`` tries it at several sizes and prints how close your busiest
-#    program comes to that limit. The tempting answer, tile :math:`t = \mathrm{head} \cdot n_m + m`
-#    (the kernel's order) to program :math:`t \bmod` ``programs``, fails at the shortest length
-#    here (8 blocks, 128 heads, 132 programs): the check says by how much. The kernel's pairs are
-#    one answer; longest tile first to the least loaded program is another, which a kernel would
-#    have to read from a table.
-# 2. **Making a tensor loadable.** Write ``tma_ready(t)``: a tensor with the values of the 4-D
-#    tensor ``t`` that TMA can load (``tma_loadable`` above says what that takes), the same
-#    tensor where it already is, a copy only where it is not. Then
-#    ``check_tma_ready(tma_ready)`` tries it on contiguous, transposed, sliced, broadcast and
-#    misaligned tensors. Watch out: ``t.contiguous()`` returns ``t`` itself whenever ``t`` is
-#    already contiguous, even where its data starts off a 16-byte boundary.
+#    :math:`m + 1` key blocks. Write ``schedule(n_m, heads, programs)`` (``heads`` counts batch times
+#    heads): one list per program (empty where nothing is left to run) of the ``(head, m)`` tiles it
+#    runs, so that every tile of every head runs exactly once and no program loads more than an even
+#    share of the key blocks plus :math:`n_m` (one tile's worth). ``check_schedule(schedule)`` tries it
+#    at several sizes and prints how close your busiest program comes to that limit. The tempting
+#    answer, tile :math:`t = \mathrm{head} \cdot n_m + m` (the kernel's order) to program
+#    :math:`t \bmod` ``programs``, fails at the shortest length here (8 blocks, 128 heads, 132
+#    programs): the check says by how much. The kernel's pairs are one answer; longest tile first to the
+#    least loaded program is another, which a kernel would have to read from a table.
+# 2. **Making a tensor loadable.** Write ``tma_ready(t)``: a tensor with the values of the 4-D tensor
+#    ``t`` that TMA can load (``tma_loadable`` says what that takes), ``t`` itself where it already is,
+#    a copy only where it is not. ``check_tma_ready(tma_ready)`` tries it on contiguous, transposed,
+#    sliced, broadcast and misaligned tensors. Watch out: ``t.contiguous()`` returns ``t`` itself
+#    whenever ``t`` is already contiguous, even where its data starts off a 16-byte boundary.
 
 
 def check_schedule(fn):
