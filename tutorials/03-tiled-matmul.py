@@ -379,8 +379,8 @@ def matmul_tflops():
     A GPU's clocks follow its power draw and its temperature. In one process on an H100 fresh from
     idling, the first timing of this multiply gave 759 TFLOP/s and the next thirteen, over half a
     minute, 583 to 678; timed once per lesson, this ceiling came out between 641 and 768 in three
-    builds of this site. So the multiply runs for a second before it is timed, and meets the clocks
-    that the benchmarks' kernels, run one after another, meet."""
+    builds of this site in November 2026. So the multiply runs for a second before it is timed, and
+    meets the clocks that the benchmarks' kernels, run one after another, meet."""
     n = 8192 if ON_GPU else 256
     a, b = (torch.randn(n, n, device=DEVICE, dtype=torch.float16 if ON_GPU else torch.float32) for _ in range(2))
     if ON_GPU:

@@ -54,7 +54,7 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 # weights :math:`\mathrm{softmax}_j(s_j)` where :math:`s_j = q \cdot k_j \cdot \mathrm{scale}`. The
 # online softmax of lesson 02 kept a running maximum :math:`m` and a running sum :math:`\ell`
 # rescaled whenever :math:`m` grows. The weighted sum :math:`a = \sum_j e^{s_j - m} v_j` is rescaled
-# by the same factor, so one loop over the keys computes everything, here in plain Python:
+# by the same factor, so one loop over the keys computes everything:
 #
 # .. math::
 #
@@ -62,6 +62,8 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 #    \ell' &= \ell\, e^{m - m'} + e^{s_j - m'}, \\
 #    a' &= a\, e^{m - m'} + e^{s_j - m'}\, v_j, \\
 #    o &= a / \ell \quad \text{(after the last key).}
+#
+# In plain Python:
 
 
 def one_row_attention(q, k, v, scale):
@@ -252,8 +254,9 @@ def attn_bwd_v1_kernel(
 # -----------------------
 # The 2022 tutorial no longer runs. ``tl.dot(q, k, trans_b=True)`` is now
 # ``tl.dot(q, tl.trans(k))``. Its scratch buffer ``TMP``, stored and reloaded to dodge a compiler
-# bug long since fixed, is gone. It built its 2-D blocks of pointers by hand, as here; its later
-# ``tl.make_block_ptr`` runs in Triton 3.6 but raises ``NotImplementedError`` in 3.9.
+# bug long since fixed, is gone. It built its 2-D blocks of pointers by hand, as here. Later versions
+# of the tutorial moved to ``tl.make_block_ptr``, which runs in Triton 3.6 but raises
+# ``NotImplementedError`` in 3.9; this port keeps plain pointer arithmetic, which both run.
 # ``triton.testing.assert_almost_equal`` is gone (``torch.testing.assert_close`` replaces it), and
 # ``do_bench`` takes ``quantiles=`` or ``return_mode=`` where it took ``percentiles=``. Its backward
 # needed the sequence length to be a multiple of the block size; the masks above remove that limit.
@@ -474,7 +477,8 @@ if __name__ == "__main__":
 # the identity derived above is exact, the stored tensor is not. Below, :math:`N = 1024` with
 # near-uniform attention (small queries), and a :math:`dO` of order 1 or of order :math:`10^{-4}`
 # (a loss scaled down or averaged over many tokens). :math:`dV`'s error is taken relative to its own
-# largest value, not to that value or 1 as in the check above, a floor that would hide it.
+# largest value, not, as the check above does, to the larger of that value and 1: a floor of 1 would
+# hide the error at this scale.
 
 if __name__ == "__main__":
     torch.manual_seed(0)
@@ -497,8 +501,9 @@ if __name__ == "__main__":
 # stays within its tests' fp16 tolerance in this same case. Its :math:`dQ` and :math:`dK` do not
 # escape: like Triton's own tutorial, it rounds :math:`dS = P \circ (dP - \Delta)` to fp16 for the
 # tensor cores, and with :math:`P` near :math:`1/1024` and :math:`dP - \Delta` of the order of
-# :math:`dO`, :math:`dS` is subnormal too. Hence fp16 training scales its loss up
-# (``torch.amp.GradScaler``), and one reason to train in bf16, with fp32's exponent range.
+# :math:`dO`, :math:`dS` is subnormal too. This is why fp16 training scales its loss up
+# (``torch.amp.GradScaler``), and one reason to train in bf16, which has fp32's exponent range and so
+# no subnormals at these magnitudes.
 
 # %%
 # Benchmark
@@ -557,8 +562,8 @@ def bench_ms(fn):
 
 # Triton compiles a kernel when a launch meets a new specialization of it (a configuration, a dtype,
 # an integer that is or is not a multiple of 16), one after another on one CPU core: 8 s of lesson
-# 04, 41 s of lessons 05 and 06 (then one lesson) and 78 s of lesson 07 in a cold run on an H100's
-# host (this site's engineering notes, 2026-11-26). Launches that only *warm up* a kernel can
+# 04, 41 s of lessons 05 and 06 (one lesson when measured) and 78 s of lesson 07 in a cold run on an
+# H100's host (this site's engineering notes, 2026-11-26). Launches that only *warm up* a kernel can
 # compile on a pool of threads (``AsyncCompileMode``, internal in Triton 3.6 and 3.9). So the
 # harness first calls everything it will time once, each ``launch`` only compiling; a failure is
 # left for the timed call.
@@ -599,8 +604,8 @@ def matmul_tflops():
     A GPU's clocks follow its power draw and its temperature. In one process on an H100 fresh from
     idling, the first timing of this multiply gave 759 TFLOP/s and the next thirteen, over half a
     minute, 583 to 678; timed once per lesson, this ceiling came out between 641 and 768 in three
-    builds of this site. So the multiply runs for a second before it is timed, and meets the clocks
-    that the benchmarks' kernels, run one after another, meet."""
+    builds of this site in November 2026. So the multiply runs for a second before it is timed, and
+    meets the clocks that the benchmarks' kernels, run one after another, meet."""
     n = 8192 if ON_GPU else 256
     a, b = (torch.randn(n, n, device=DEVICE, dtype=torch.float16 if ON_GPU else torch.float32) for _ in range(2))
     if ON_GPU:
@@ -872,8 +877,9 @@ elif __name__ == "__main__":
 #    only the normalized output :math:`o`, as FlashAttention-1 does (see "From rows to blocks"),
 #    updated key by key with the factors :math:`\ell e^{m - m'} / \ell'` and
 #    :math:`e^{s_j - m'} / \ell'`. It returns an ``(n, d)`` tensor whose row :math:`j` is :math:`o`
-#    after key :math:`j`. Then ``check_running_attention(running_attention)``: 20 random rows, some
-#    with a score of 1,000, past what :math:`e^s` can hold even in float64, to float32's rounding.
+#    after key :math:`j`. Then run ``check_running_attention(running_attention)``: it tries 20 random
+#    rows, some with a score of 1,000 (past what :math:`e^s` can hold even in float64), and allows
+#    for float32's rounding.
 #    (It compares outputs only: it cannot tell which update produced them.)
 # 2. **Merge two partial states.** Split the keys of one query row in two parts, anywhere; each
 #    gives a state :math:`(m, \ell, a)` as above. Write ``merge(state1, state2)`` returning the state

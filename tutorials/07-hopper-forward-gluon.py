@@ -150,16 +150,17 @@ if __name__ == "__main__":
 # %%
 # A ring of buffers, and the phases of its barriers
 # -------------------------------------------------
-# K and V tiles travel through a ring of ``STAGES`` buffers: block :math:`j` is buffer
-# :math:`j \bmod \mathrm{STAGES}`'s use number :math:`\lfloor j / \mathrm{STAGES} \rfloor`, and each use
-# completes the buffer's "full" barrier once and its "empty" barrier once. An mbarrier does not count
-# uses; it remembers only the *parity* of those it has completed, its phase, and a wait names the parity
-# it waits for. So the consumer waits for "full" to reach parity
-# :math:`\lfloor j / \mathrm{STAGES} \rfloor \bmod 2`, and the loader, before refilling the buffer, waits
-# for "empty" to show that the previous use was consumed: the opposite parity. A fresh barrier counts as
-# having completed parity 1, so the loader's first wait on each buffer passes at once. ``ring_slot``
-# computes what the kernel computes, and the picture draws it. (The kernel numbers its key blocks across
-# all the tiles that one program handles, not from zero in each: see "One program per SM" below.)
+# K and V tiles travel through a ring of ``STAGES`` buffers: block :math:`j` goes into buffer
+# :math:`j \bmod \mathrm{STAGES}`, as that buffer's use number
+# :math:`\lfloor j / \mathrm{STAGES} \rfloor`, and each use completes the buffer's "full" barrier
+# once and its "empty" barrier once. An mbarrier does not count uses; it remembers only the *parity*
+# of those it has completed, its phase, and a wait names the parity it waits for. So the consumer
+# waits for "full" to reach parity :math:`\lfloor j / \mathrm{STAGES} \rfloor \bmod 2`, and the
+# loader, before refilling the buffer, waits for "empty" to show that the previous use was consumed:
+# the opposite parity. A fresh barrier counts as having completed parity 1, so the loader's first
+# wait on each buffer passes at once. ``ring_slot`` computes what the kernel computes, and the
+# picture draws it. (The kernel numbers its key blocks across all the tiles that one program
+# handles, not from zero in each: see "One program per SM" below.)
 
 
 def ring_slot(j, stages):
@@ -528,9 +529,10 @@ def _ws_forward(q, k, v, o, lse, causal, sm_scale, programs=None):
 # the slower sets the pace), and recorded the faster per case. At :math:`N = 1024`, where the Gluon
 # call's host time is about its GPU time or longer ("Host time and GPU time at the smallest size"), the
 # portable call, lighter on the host, can win with more GPU time. The sweep ran before this page's
-# build (lesson 05's ``TUNED_ON`` says on which GPU), and this page's benchmark, which gives the host a
-# head start, can disagree with it where two paths are close, most at the shortest lengths: the line
-# under its table counts the cases where they agree. ``warp_specialized=None`` runs the table's path
+# build (lesson 05's ``TUNED_ON`` says on which GPU). This page's benchmark, which gives the host a
+# head start, can disagree with it at the shortest lengths, where the table counted host time that the
+# benchmark hides, and elsewhere where two paths are close: the last line under "Reading the numbers"
+# counts the cases where they agree. ``warp_specialized=None`` runs the table's path
 # (Gluon where it can, in a case the table does not cover), ``True`` insists on Gluon (an error says
 # why when it cannot run), ``False`` asks for the portable kernel. Both forwards write the same output
 # and :math:`\mathrm{LSE}_2`, so the backward is lesson 06's two-pass one either way (the next lesson
@@ -609,8 +611,8 @@ def attention(q, k, v, causal, sm_scale, warp_specialized=None):
 # Correctness
 # -----------
 # The forward and the gradients through it against float64 PyTorch on fresh random inputs: both head
-# dims, both dtypes, causal and not, at a length no block size divides (1,000 on a GPU); where Gluon
-# cannot run, of the portable fallback.
+# dims, both dtypes, causal and not, at a length no block size divides (1,000 on a GPU). Where Gluon
+# cannot run, the same checks run the portable fallback, and the first line printed says which ran.
 
 
 def check_every_case(checked, lesson):
@@ -679,11 +681,12 @@ if __name__ == "__main__":
 # %%
 # Benchmark
 # ---------
-# The forward pass in TFLOP/s at lesson 05's sizes against the portable kernel and SDPA's
-# backends, measured in this run the same way (on a GPU each provider timed twice in alternating order,
-# more often where the two disagree, the fastest kept), under the fp16 matrix-multiply rate measured in
-# this run. Under the interpreter no Gluon kernel runs: lessons 05 and 06's kernels stand in for it, so
-# the page still runs, and its tables compare them with SDPA's math backend.
+# The forward pass in TFLOP/s at lesson 05's sizes against the portable kernel and SDPA's backends,
+# measured in this run the same way (on a GPU each provider timed twice in alternating order, more
+# often where the two disagree, the fastest kept), with the fp16 matrix-multiply rate measured in
+# this run as the ceiling (lesson 05's fp8 forward, also shown, can pass it). Under the interpreter
+# no Gluon kernel runs: lessons 05 and 06's kernels stand in for it, so the page still runs, and its
+# tables compare them with SDPA's math backend.
 
 WS = "Triton, warp-specialized (Gluon)"
 PORTABLE = "Triton v2 (lessons 05, 06)"
@@ -775,13 +778,13 @@ def hopper_providers(q, k, v, causal, D):
 
 
 # %%
-# What produced the numbers below (the plots come from the same run):
+# What produced the numbers below (the plot comes from the same run):
 
 if __name__ == "__main__":
     print(V2.describe_platform())
 
 # %%
-# The plot, and then the table in TFLOP/s:
+# The plot, the ceiling measured for it, then the table in TFLOP/s:
 
 if __name__ == "__main__":
     results, table, peak, cases, sizes = hopper_benchmark("fwd", hopper_providers, "Forward pass")
