@@ -193,6 +193,9 @@ WIDE_ARTICLE = """() => { const a = document.querySelector('.bd-article-containe
 # Each plot as [src, loaded, natural width, shown width].
 PLOTS = """() => [...document.querySelectorAll('img.sphx-glr-single-img, img.sphx-glr-multi-img')]
   .map(img => [img.getAttribute('src'), img.complete, img.naturalWidth, img.getBoundingClientRect().width])"""
+# The hint under each plot link: what a reader sees below a plot, "none" where nothing is shown.
+PLOT_HINTS = """() => [...document.querySelectorAll('a.plot-full-size')]
+  .map(a => getComputedStyle(a, '::after').content)"""
 
 
 @pytest.mark.parametrize("width", WIDTHS.values(), ids=WIDTHS.keys())
@@ -223,6 +226,11 @@ def test_page_reads_well_offline(served_site, browser, path, width):
         assert all(typeset), f"{typeset.count(False)} of {len(typeset)} formulas were not typeset"
         assert not page.evaluate(RAW_TEX), "raw TeX on the page"
 
+        hints = page.evaluate(PLOT_HINTS)
+        if width == WIDTHS["phone"]:
+            assert all("full size" in hint for hint in hints), f"plots without the hint to open them: {hints}"
+        else:
+            assert all(hint in ("none", "normal") for hint in hints), f"a hint under desktop plots: {hints}"
         if width == WIDTHS["desktop"]:
             for src, loaded, natural, shown in page.evaluate(PLOTS):
                 assert loaded and natural > 0, f"{src} did not load"
