@@ -187,6 +187,9 @@ WIDE_OUTPUT = """() => [...document.querySelectorAll('div.sphx-glr-script-out pr
 # Printed output in a box shorter than its text hides the lines below the fold in a scroll area.
 TALL_OUTPUT = """() => [...document.querySelectorAll('div.sphx-glr-script-out pre')]
   .filter(pre => pre.scrollHeight > pre.clientHeight + 1).map(pre => pre.innerText.slice(0, 80))"""
+# The parts of the links to the previous and next page that reach past the window's right edge.
+PAST_THE_EDGE = """() => [...document.querySelectorAll('.prev-next-area *')]
+  .filter(e => e.getBoundingClientRect().right > window.innerWidth + 1).map(e => e.className)"""
 # How far the article column scrolls sideways: code cells and tables scroll inside their own boxes.
 WIDE_ARTICLE = """() => { const a = document.querySelector('.bd-article-container');
   return a ? a.scrollWidth - a.clientWidth : 0; }"""
@@ -221,6 +224,7 @@ def test_page_reads_well_offline(served_site, browser, path, width):
         assert not page.evaluate(WIDE_OUTPUT), "printed output scrolls sideways"
         assert not page.evaluate(TALL_OUTPUT), "printed output is cut off inside a scroll box"
         assert page.evaluate(WIDE_ARTICLE) <= 1, "the article column scrolls sideways"
+        assert not page.evaluate(PAST_THE_EDGE), "the links to the previous and next page run off the screen"
 
         typeset = page.evaluate(TYPESET)
         assert all(typeset), f"{typeset.count(False)} of {len(typeset)} formulas were not typeset"
