@@ -22,8 +22,8 @@ This lesson needs lessons 04 to 07 next to it (``04-fused-attention-v1.py``,
 ``05-fused-attention-v2-forward.py``, ``06-fused-attention-v2-backward.py`` and
 ``07-hopper-forward-gluon.py``; the site's zip of all lessons has them): it runs lesson 07's
 forward, reuses lesson 06's preprocess and the earlier lessons' checks and benchmark helpers, and
-falls back to lesson 06's backward where Gluon cannot run. On such a machine this page still shows the design and the
-portable kernels' numbers, and says why the Gluon kernel did not run.
+falls back to lesson 06's backward where Gluon cannot run. On such a machine this page still shows
+the design and the portable kernels' numbers, and says why the Gluon kernel did not run.
 """
 
 # %%
