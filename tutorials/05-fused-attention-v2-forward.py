@@ -596,9 +596,9 @@ def providers_for(causal, D):
 
 
 def against_peers(table, peak, ours, peers):
-    """One line per (head dim, masking, pass), computed from table (TFLOP/s): ours against the fastest of
-    peers, and against v1 where it ran."""
-    lines = []
+    """{(head dim, causal, pass): a line computed from table (TFLOP/s)}: ours against the fastest of peers, and
+    against v1 where it ran."""
+    lines = {}
     for (D, causal, mode), part in table.groupby(level=["D", "causal", "mode"], sort=False):
         ratio = part[ours] / part[peers].max(axis=1)
         line = (f"D={D:3d} {'causal    ' if causal else 'non-causal'} {mode}: v2 is {ratio.min():.2f}x to "
@@ -606,7 +606,7 @@ def against_peers(table, peak, ours, peers):
         if V1_NAME in part:
             v1 = part[ours] / part[V1_NAME]
             line += f"; {v1.min():.1f}x to {v1.max():.1f}x v1"
-        lines.append(line)
+        lines[D, causal, mode] = line
     return lines
 
 
@@ -644,7 +644,7 @@ results_table(results) if __name__ == "__main__" else None
 
 if __name__ == "__main__":
     peers = [c for c in PEERS if c in table]
-    print("\n".join(against_peers(table, peak, OURS, peers)))
+    print("\n".join(against_peers(table, peak, OURS, peers).values()))
     if ROUNDS > 1:
         print(spread_summary(results))
     else:

@@ -546,11 +546,11 @@ V1.results_table(results) if __name__ == "__main__" else None
 
 if __name__ == "__main__":
     peers = [c for c in V2.PEERS if c in table]
-    for line, ((D, causal, mode), part) in zip(V2.against_peers(table, peak, OURS, peers),
-                                               table.groupby(level=["D", "causal", "mode"], sort=False)):
+    lines = V2.against_peers(table, peak, OURS, peers)
+    for case, part in table.groupby(level=["D", "causal", "mode"], sort=False):
         atomic = part[ATOMIC] / part[OURS]
         executed = 7 / 5 * part[OURS].max()
-        print(line)
+        print(lines[case])
         print(f"    atomic dQ is {atomic.min():.2f}x to {atomic.max():.2f}x the two-pass backward (faster at "
               f"{(atomic > 1).sum()} of {len(atomic)} sizes); the two-pass backward multiplies matrices at up "
               f"to {executed:.3g} TFLOP/s, {executed / peak:.0%} of the matmul rate")
