@@ -586,10 +586,10 @@ CASES, SIZES = ([(4, 32, 64), (4, 16, 128)], [1024, 2048, 4096, 8192, 16384]) if
     [(1, 2, 64), (1, 1, 128)], [64, 128])
 
 
-def providers_for(causal, D):
-    """What this lesson times: its own kernel, the SDPA backends, and v1."""
-    scale = D ** -0.5
-    providers = {OURS: lambda q, k, v: attention(q, k, v, causal, scale)}
+def providers_for(causal, D, ours=None):
+    """What this lesson times: its own attention (or `ours`, lesson 06's), the SDPA backends, and v1."""
+    scale, ours = D ** -0.5, ours or attention
+    providers = {OURS: lambda q, k, v: ours(q, k, v, causal, scale)}
     providers.update(sdpa_providers(causal, scale, PEERS))
     providers[V1_NAME] = lambda q, k, v: V1.attention(q, k, v, causal, scale)
     return providers

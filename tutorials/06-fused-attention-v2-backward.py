@@ -485,17 +485,13 @@ if __name__ == "__main__":
 # 04's harness. Each provider's forward runs once, outside the timing. The ceiling is the
 # matrix-multiply rate measured in this run.
 
-OURS = "Triton v2 (this lesson)"
+OURS = V2.OURS
 ATOMIC = "Triton v2, atomic dQ"  # the backward with FlashAttention-2's atomic additions
 
 
 def providers_for(causal, D):
-    """What this lesson times: its own backward, the SDPA backends, and v1."""
-    scale = D ** -0.5
-    providers = {OURS: lambda q, k, v: attention(q, k, v, causal, scale)}
-    providers.update(V1.sdpa_providers(causal, scale, V2.PEERS))
-    providers[V2.V1_NAME] = lambda q, k, v: V1.attention(q, k, v, causal, scale)
-    return providers
+    """What this lesson times: its own backward, the SDPA backends, and v1 (lesson 05's list)."""
+    return V2.providers_for(causal, D, ours=attention)
 
 
 def atomic_provider(q, k, v, causal, D):
