@@ -295,12 +295,15 @@ def _persistent_grid(args, meta, num_warps, row_tiles):
     return min(row_tiles, _occupancy[key])
 
 
-# From this many columns on, a row is work enough for one program, and the loop only costs registers.
-# On an H100 (Triton 3.6), in three cold builds of this site and a probe after them, step 1's kernel
-# ran at 4,096 columns at 97% to 101% of a same-size copy, the persistent tiles at 93% to 99%, in
-# fp32 and bf16 alike; and this lesson's kernel run with one row per tile trailed step 1's at
-# 12,288 bf16 columns, 91% against 95% to 96% every time.
-LONG_ROW = 4096
+# From this many columns on, a tile holds one row, which is work enough for one program, and the
+# loop only costs registers. On an H100 (Triton 3.6), in three cold builds of this site and a probe
+# after them, step 1's kernel ran at 4,096 columns at 97% to 101% of a same-size copy, the
+# persistent tiles at 93% to 99%, in fp32 and bf16 alike. At 2,048 columns, in ten H100 builds and
+# one H200 build of 2026-11-25 and 26, bf16 rows ran at 92% to 102% of the copy (97% on average)
+# with step 1's kernel and at 89% to 102% (94%) with one-row persistent tiles, slower in 10 of the
+# 11; fp32 rows, with step 1's kernel, came within 3.5 points of the tiles either way, 0.3 points
+# behind on average.
+LONG_ROW = 2048
 
 
 def _persistent(x):
