@@ -1,4 +1,4 @@
-"""The attention lessons (04 to 08), forward and backward, against float64 autograd on fresh random inputs,
+"""The attention lessons (04 to 09), forward and backward, against float64 autograd on fresh random inputs,
 and the checks of their exercises."""
 
 import math
@@ -13,7 +13,7 @@ from torch.nn.functional import scaled_dot_product_attention
 
 V1, V2 = load("04-fused-attention-v1"), load("05-fused-attention-v2-forward")
 V2_BWD = load("06-fused-attention-v2-backward")
-HOPPER_FWD, HOPPER = load("07-hopper-forward-gluon"), load("08-hopper-backward-gluon")
+HOPPER_FWD, HOPPER = load("07-hopper-forward-gluon"), load("09-hopper-backward-gluon")
 
 
 def gluon_where_it_runs(attention):
@@ -31,7 +31,7 @@ VERSIONS = {"v1": V1.attention, "v2": V2_BWD.attention, "v2-atomic-dq": partial(
 DEVICE = V2.DEVICE  # the lessons run where Triton does: the GPU if there is one
 ON_HOPPER = V2.ON_GPU and torch.cuda.get_device_capability()[0] == 9
 if ON_HOPPER:
-    # Lessons 07 and 08 run their Gluon kernels here: the Gluon forward with the two-pass backward,
+    # Lessons 07 and 09 run their Gluon kernels here: the Gluon forward with the two-pass backward,
     # the Gluon forward and backward, and the Gluon forward with the two-pass backward asked for.
     VERSIONS["hopper-forward"] = HOPPER_FWD.attention
     VERSIONS["hopper"] = HOPPER.attention
@@ -189,7 +189,7 @@ def test_bad_warp_specialized_flag_is_refused(attention):
 @pytest.mark.parametrize("attention", [HOPPER_FWD.attention, HOPPER.attention], ids=["hopper-forward", "hopper"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_hopper_lessons_fall_back_to_the_portable_kernels(attention, causal, rng):
-    """Off Hopper (and for what TMA cannot load), lessons 07 and 08 must still compute attention."""
+    """Off Hopper (and for what TMA cannot load), lessons 07 and 09 must still compute attention."""
     q, k, v = (randn((1, 2, 70, 32), torch.float16, rng) for _ in range(3))  # head dim 32: never Gluon
     check(attention, q, k, v, causal, rng)
 
@@ -598,16 +598,16 @@ def _round_robin_schedule(n_m, heads, programs):
 
 
 def test_host_cells_say_what_paced_the_benchmark():
-    """The verdict lessons 07 and 08 print under their host measurements: the host paced a call only where the
+    """The verdict lessons 07 and 09 print under their host measurements: the host paced a call only where the
     host time measured there is as long as the benchmark's time per call; otherwise the page says it cannot tell."""
     assert "did not pace" in HOPPER_FWD.who_paced(1.0, 0.96, 0.3, 0.28)
     assert "the host paced our calls" in HOPPER_FWD.who_paced(1.0, 0.6, 0.30, 0.31)
-    unexplained = HOPPER_FWD.who_paced(0.98, 0.41, 0.258, 0.699)  # lesson 08's case in the build of 2026-11-25
+    unexplained = HOPPER_FWD.who_paced(0.98, 0.41, 0.258, 0.699)  # the Gluon backward, build of 2026-11-25
     assert "cannot tell" in unexplained and "258 us" in unexplained and "699 us" in unexplained
 
 
 def test_host_times_are_taken_in_turns_and_keep_the_fastest(monkeypatch):
-    """The host cells of lessons 07 and 08 (GPU only) time every call once per round, in turn, and keep each
+    """The host cells of lessons 07 and 09 (GPU only) time every call once per round, in turn, and keep each
     call's fastest."""
     seen, times = [], iter([5.0, 3.0, 9.0, 4.0, 1.0, 2.0])
     monkeypatch.setattr(HOPPER_FWD, "host_ms", lambda fn: (seen.append(fn()), next(times))[1])
@@ -725,7 +725,7 @@ def test_negated_views_are_read_as_their_values(version, rng):
     check(VERSIONS[version], torch._neg_view(q), k, torch._neg_view(v), True, rng)
 
 
-# Every public attention: off Hopper, lessons 07 and 08 run their own autograd functions over lesson 05's kernels.
+# Every public attention: off Hopper, lessons 07 and 09 run their own autograd functions over lesson 05's kernels.
 ENTRIES = {**VERSIONS, "hopper-forward": HOPPER_FWD.attention, "hopper": HOPPER.attention}
 
 
@@ -846,7 +846,7 @@ def check_heads(q, k, v, out, do, D):
             assert_matches(got[b:b + 1, h:h + 1], want, torch.float16, f"{name} at b={b}, h={h}")
 
 
-# The tables that tools/tune.py measured and wrote into lessons 05 to 08.
+# The tables that tools/tune.py measured and wrote into lessons 05 to 09.
 CASES = [(D, causal, bucket) for D in (64, 128) for causal in (False, True) for bucket in V2.TUNED_ON["buckets"]]
 
 

@@ -1,4 +1,4 @@
-"""The softmax lessons (01, 02 and 09) against a float64 reference: irregular shapes, strides, dtypes, extreme values,
+"""The softmax lessons (01, 02 and 10) against a float64 reference: irregular shapes, strides, dtypes, extreme values,
 gradients, views with a negative bit and bad input; and the exercises' checks, each shown to accept a
 correct solution and to reject a known-wrong one."""
 
@@ -10,7 +10,7 @@ from lessons import load
 # Triton's own library functions are defined for one mode or the other at import.
 LESSON_01 = load("01-fused-softmax")
 LESSON_02 = load("02-long-softmax")
-LESSON_09 = load("09-long-softmax-gluon")
+LESSON_10 = load("10-long-softmax-gluon")
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -25,11 +25,11 @@ KERNELS = {
     "row-on-chip": LESSON_02.row_on_chip_softmax,
     "split-row": LESSON_02.split_row_softmax,
     "long": LESSON_02.long_softmax,
-    "long-gluon": LESSON_09.long_softmax,
+    "long-gluon": LESSON_10.long_softmax,
 }
-ON_HOPPER = LESSON_09.shared_unsupported(torch.empty(1, device=LESSON_01.DEVICE)) is None
+ON_HOPPER = LESSON_10.shared_unsupported(torch.empty(1, device=LESSON_01.DEVICE)) is None
 if ON_HOPPER:  # 1,024-element chunks: the rows of SHAPES are split, and their programs wait for each other
-    KERNELS["shared-split-row"] = lambda x: LESSON_09.shared_split_row_softmax(x, chunk=1024)
+    KERNELS["shared-split-row"] = lambda x: LESSON_10.shared_split_row_softmax(x, chunk=1024)
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 SHAPES = [(1, 1), (1, 781), (7, 1), (3, 2), (37, 100), (5, 257), (2, 4099)]
 
@@ -192,14 +192,14 @@ def test_shared_split_row_refuses_to_run_where_gluon_cannot():
     if ON_HOPPER:
         pytest.skip("the shared-memory kernel runs on this GPU")
     with pytest.raises(ValueError, match="Hopper"):
-        LESSON_09.shared_split_row_softmax(torch.randn(2, 100, device=LESSON_01.DEVICE))
+        LESSON_10.shared_split_row_softmax(torch.randn(2, 100, device=LESSON_01.DEVICE))
 
 
 @pytest.mark.parametrize("chunk, error, message", [(512, ValueError, "1024"), (3000, ValueError, "power of two"),
                                                    (65536, ValueError, "32768"), ("8192", TypeError, "int")])
 def test_shared_split_row_refuses_unusable_chunks_by_name(chunk, error, message):
     with pytest.raises(error, match=message):
-        LESSON_09.shared_split_row_softmax(torch.randn(2, 100, device=LESSON_01.DEVICE), chunk=chunk)
+        LESSON_10.shared_split_row_softmax(torch.randn(2, 100, device=LESSON_01.DEVICE), chunk=chunk)
 
 
 class _Compiled:
@@ -218,13 +218,13 @@ class _Compiled:
 def test_programs_per_sm_takes_the_tightest_limit(n_regs, shared, expected):
     h100 = type("Props", (), dict(regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048,
                                   shared_memory_per_multiprocessor=233472, major=9, minor=0))
-    assert LESSON_09.programs_per_sm(_Compiled(n_regs, shared), h100, 4) == expected
+    assert LESSON_10.programs_per_sm(_Compiled(n_regs, shared), h100, 4) == expected
 
 
 def test_the_shared_row_table_covers_every_case_with_a_usable_chunk():
-    cases = [(dtype, N) for dtype in ("bfloat16", "float32") for N in LESSON_09.SHARED_LENGTHS]
-    assert sorted(LESSON_09.SHARED_CHUNKS) == sorted(cases)
-    for (dtype, N), chunk in LESSON_09.SHARED_CHUNKS.items():
+    cases = [(dtype, N) for dtype in ("bfloat16", "float32") for N in LESSON_10.SHARED_LENGTHS]
+    assert sorted(LESSON_10.SHARED_CHUNKS) == sorted(cases)
+    for (dtype, N), chunk in LESSON_10.SHARED_CHUNKS.items():
         assert chunk is None or (1024 <= chunk <= 32768 and chunk & (chunk - 1) == 0), (dtype, N, chunk)
 
 
@@ -232,8 +232,8 @@ def test_the_shared_row_table_written_by_the_sweep_reads_back_as_the_same_table(
     import tune
 
     namespace = {}
-    exec("\n".join(tune.literal("TABLE", LESSON_09.SHARED_CHUNKS)), namespace)
-    assert namespace["TABLE"] == LESSON_09.SHARED_CHUNKS
+    exec("\n".join(tune.literal("TABLE", LESSON_10.SHARED_CHUNKS)), namespace)
+    assert namespace["TABLE"] == LESSON_10.SHARED_CHUNKS
 
 
 @pytest.mark.parametrize("dtype, N, entry", [(torch.bfloat16, 32769, ("bfloat16", 65536)),
@@ -241,9 +241,9 @@ def test_the_shared_row_table_written_by_the_sweep_reads_back_as_the_same_table(
                                              (torch.float32, 131072, ("float32", 131072)),
                                              (torch.float32, 1_000_000, ("float32", 262144))])
 def test_a_row_length_takes_the_entry_at_or_above_it(dtype, N, entry, monkeypatch):
-    table = {key: 1024 * (i + 1) for i, key in enumerate(sorted(LESSON_09.SHARED_CHUNKS))}
-    monkeypatch.setattr(LESSON_09, "SHARED_CHUNKS", table)
-    assert LESSON_09.tuned_chunk(torch.empty(1, N, dtype=dtype, device="meta")) == table[entry]
+    table = {key: 1024 * (i + 1) for i, key in enumerate(sorted(LESSON_10.SHARED_CHUNKS))}
+    monkeypatch.setattr(LESSON_10, "SHARED_CHUNKS", table)
+    assert LESSON_10.tuned_chunk(torch.empty(1, N, dtype=dtype, device="meta")) == table[entry]
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="the shared-memory kernel needs a Hopper GPU")
@@ -251,9 +251,9 @@ def test_a_row_length_takes_the_entry_at_or_above_it(dtype, N, entry, monkeypatc
 @pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
 def test_shared_split_row_shares_rows_between_programs_on_hopper(N, chunk, dtype):
     x = (torch.randn(37, N, device="cuda") * 10).to(dtype)
-    check(lambda t: LESSON_09.shared_split_row_softmax(t, chunk=chunk), x)
-    check_gradient(lambda t: LESSON_09.shared_split_row_softmax(t, chunk=chunk), x)
-    check(LESSON_09.long_softmax, x)
+    check(lambda t: LESSON_10.shared_split_row_softmax(t, chunk=chunk), x)
+    check_gradient(lambda t: LESSON_10.shared_split_row_softmax(t, chunk=chunk), x)
+    check(LESSON_10.long_softmax, x)
 
 
 def launch_grids(kernel, make_args, count, num_warps):
@@ -296,10 +296,10 @@ def test_shared_split_row_counts_exactly_the_programs_the_gpu_holds(chunk):
 
     def make_args():
         x = torch.randn(1024, 65536, device="cuda", dtype=torch.bfloat16)
-        return x, *LESSON_09._shared_args(x, chunk)
+        return x, *LESSON_10._shared_args(x, chunk)
 
-    launch_grids(LESSON_09.shared_split_row_kernel, make_args,
-                 lambda args, meta: LESSON_09.compiled_kernel(args, meta)[1] * sms, LESSON_09.SHARED_WARPS)
+    launch_grids(LESSON_10.shared_split_row_kernel, make_args,
+                 lambda args, meta: LESSON_10.compiled_kernel(args, meta)[1] * sms, LESSON_10.SHARED_WARPS)
 
 
 BAD_INPUTS = [
@@ -661,7 +661,7 @@ def test_benchmark_rounds_alternate_and_retime_a_disturbed_provider(monkeypatch,
 
 
 def test_check_split_row_accepts_a_correct_solution(capsys):
-    LESSON_09.check_split_row(LESSON_02.long_softmax)
+    LESSON_10.check_split_row(LESSON_02.long_softmax)
     assert "passed on 15 fresh inputs" in capsys.readouterr().out
 
 
@@ -680,4 +680,4 @@ def _unguarded_split_row(x, chunk=1024):
                          ids=["softmax over columns", "NaN at the maximum", "a chunk of only -inf"])
 def test_check_split_row_rejects_a_wrong_solution(wrong):
     with pytest.raises(AssertionError, match="your split-row softmax on"):
-        LESSON_09.check_split_row(wrong)
+        LESSON_10.check_split_row(wrong)

@@ -2,10 +2,10 @@
 
     python tools/tune.py softmax        # tile height, warps, pipelining depth, persistent or not
     python tools/tune.py split-row      # chunk and warps of lesson 02's row-sharing kernel
-    python tools/tune.py shared-row     # lesson 09's chunk per dtype and row length, or lesson 02's kernel:
-                                        # rewrites the table in lesson 09
+    python tools/tune.py shared-row     # lesson 10's chunk per dtype and row length, or lesson 02's kernel:
+                                        # rewrites the table in lesson 10
     python tools/tune.py attention      # the tiles of lessons 05 and 06 (one table, in lesson 05), and the
-                                        # fastest forward and backward of 07 and 08: rewrites those tables
+                                        # fastest forward and backward of 07 and 09: rewrites those tables
     python tools/tune.py attention-paths 1024   # only the forward and backward choices, at these lengths
 
 Prints, per problem, the fastest settings and their speed next to the lesson's current choice.
@@ -85,9 +85,9 @@ def tune_split_row():
 
 
 def tune_shared_row():
-    """Lesson 09's kernel with chunks of 8 to 64 KiB against lesson 02's registers kernel, per dtype and row
-    length, fastest of 4 alternating timings; the winner of each case rewritten into lesson 09's table."""
-    lesson = load("09-long-softmax-gluon")
+    """Lesson 10's kernel with chunks of 8 to 64 KiB against lesson 02's registers kernel, per dtype and row
+    length, fastest of 4 alternating timings; the winner of each case rewritten into lesson 10's table."""
+    lesson = load("10-long-softmax-gluon")
     M, table = 4096, {}
     for dtype in (torch.float32, torch.bfloat16):
         for N in lesson.SHARED_LENGTHS:
@@ -111,7 +111,7 @@ def tune_shared_row():
                 f"{'registers' if key is None else key}: {g:.0f} GB/s" for key, g in gbs.items()), flush=True)
     note = (f"# tools/tune.py shared-row, {datetime.date.today().isoformat()}, {torch.cuda.get_device_name()}, "
             f"torch {torch.__version__}, Triton {triton.__version__}")
-    write_block(TUTORIALS / "09-long-softmax-gluon.py", "shared-row chunks", [note] + literal("SHARED_CHUNKS", table))
+    write_block(TUTORIALS / "10-long-softmax-gluon.py", "shared-row chunks", [note] + literal("SHARED_CHUNKS", table))
 
 
 def write_block(path, title, lines):
@@ -207,7 +207,7 @@ def fastest_paths(D, causal, N):
     the one with less host time: steadiest_of_the_fastest). Prints what it measured."""
     V1, V2 = load("04-fused-attention-v1"), load("05-fused-attention-v2-forward")
     V2_BWD = load("06-fused-attention-v2-backward")
-    FWD, HOPPER = load("07-hopper-forward-gluon"), load("08-hopper-backward-gluon")
+    FWD, HOPPER = load("07-hopper-forward-gluon"), load("09-hopper-backward-gluon")
     q, k, v = attention_inputs(D, N)
     case, scale = (D, causal, N), D ** -0.5
     tflops = lambda ms, work=4 * 4 * HEADS[D] * N * N * D * (0.5 if causal else 1.0): work / ms * 1e-9  # noqa: E731
@@ -252,7 +252,7 @@ def tune_attention():
     """For each head dim, masking and sequence length of lesson 05's benchmark: the GPU time of every tile
     configuration of each kernel of lessons 05 and 06, then (fewest_configs) one configuration per bucket with
     as few distinct ones as keep every bucket within TIED of its fastest. With those, fastest_paths picks
-    each case's forward and backward. Writes the tables into lessons 05, 07 and 08.
+    each case's forward and backward. Writes the tables into lessons 05, 07 and 09.
 
     Tiles are compared by the kernel's own GPU time, from the profiler: every tile of one kernel costs
     the host the same, and at short lengths the host's time per call varies more on a shared machine
@@ -324,17 +324,17 @@ def tune_attention():
                 literal("TUNED_ON", V2.TUNED_ON) + literal_by_bucket("TUNED_CONFIGS", V2.TUNED_CONFIGS, "by_bucket"))
     write_block(TUTORIALS / "07-hopper-forward-gluon.py", "forward paths",
                 literal_by_bucket("FORWARD_PATHS", forward_paths, "V2.by_bucket"))
-    write_block(TUTORIALS / "08-hopper-backward-gluon.py", "backward paths",
+    write_block(TUTORIALS / "09-hopper-backward-gluon.py", "backward paths",
                 literal_by_bucket("BACKWARD_PATHS", backward_paths, "V2.by_bucket"))
 
 
 def tune_attention_paths(lengths):
     """fastest_paths again at the given sequence lengths only, with the tiles as the lessons hold them, and
-    those entries of lessons 07 and 08's path tables rewritten. For a change to the host's work per call,
+    those entries of lessons 07 and 09's path tables rewritten. For a change to the host's work per call,
     which moves the choice between paths at the shortest lengths and no tile's GPU time; a change to a
     kernel needs the whole sweep."""
     V2 = load("05-fused-attention-v2-forward")
-    FWD, HOPPER = load("07-hopper-forward-gluon"), load("08-hopper-backward-gluon")
+    FWD, HOPPER = load("07-hopper-forward-gluon"), load("09-hopper-backward-gluon")
     buckets = V2.TUNED_ON["buckets"]
     if not lengths or any(N not in buckets for N in lengths):
         sys.exit(f"attention-paths takes sequence lengths among the tables' buckets {buckets}, got {lengths}")
@@ -349,7 +349,7 @@ def tune_attention_paths(lengths):
             f"Triton {triton.__version__}")
     write_block(TUTORIALS / "07-hopper-forward-gluon.py", "forward paths",
                 [note] + literal_by_bucket("FORWARD_PATHS", forward_paths, "V2.by_bucket"))
-    write_block(TUTORIALS / "08-hopper-backward-gluon.py", "backward paths",
+    write_block(TUTORIALS / "09-hopper-backward-gluon.py", "backward paths",
                 [note] + literal_by_bucket("BACKWARD_PATHS", backward_paths, "V2.by_bucket"))
 
 

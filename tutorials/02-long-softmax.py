@@ -712,7 +712,7 @@ if __name__ == "__main__":
 # per SM, and while a program waits for the rest of its row, only the other programs on its SM
 # keep loads in flight. This cell asks the compiler, for each dtype at the longest row of the
 # benchmark: registers per thread, programs of the kernel that fit on one SM, and so how much of
-# the row each SM can be loading at once, next to the speed measured above. Lesson 09 keeps the
+# the row each SM can be loading at once, next to the speed measured above. Lesson 10 keeps the
 # chunk in shared memory instead, as the 16-bit values that were read, and measures what that buys.
 
 if __name__ == "__main__" and ON_GPU:

@@ -372,7 +372,7 @@ DQ_TUNER = V2.autotuned(attn_bwd_dq_kernel, BWD_SHAPES, _prune_bwd, ["D", "CAUSA
 
 def backward_delta(o, do):
     """Delta = rowsum(dO * O) in fp32, shape (B * H, N): the preprocess kernel, for the atomic backward
-    and lesson 08's."""
+    and lesson 09's."""
     B, H, N, D = o.shape
     delta = torch.empty((B * H, N), dtype=torch.float32, device=o.device)
     V2.launch_planned(V2.plan_key(o, do), attn_bwd_preprocess_kernel, (V2.host_cdiv(N, 64), B * H), 3,

@@ -617,7 +617,7 @@ def attention(q, k, v, causal, sm_scale, warp_specialized=None):
 
 def check_every_case(checked, lesson):
     """Lesson 04's check_against_float64 of `checked` in the cases above, compiled ahead (lesson 04's
-    compile_ahead); prints each case's errors. Lesson 08 checks its backward with it too."""
+    compile_ahead); prints each case's errors. Lesson 09 checks its backward with it too."""
     N = 1000 if ON_GPU else 65
     cases = {(D, dtype, causal): [torch.randn(2, 3, N, D, device=DEVICE, dtype=dtype) for _ in range(3)]
              for D in (64, 128) for dtype in (torch.float16, torch.bfloat16) for causal in (False, True)}
@@ -690,7 +690,7 @@ if __name__ == "__main__":
 
 WS = "Triton, warp-specialized (Gluon)"
 PORTABLE = "Triton v2 (lessons 05, 06)"
-ATOMIC = V2_BWD.ATOMIC  # lesson 06's atomic backward, which lesson 08's table may choose
+ATOMIC = V2_BWD.ATOMIC  # lesson 06's atomic backward, which lesson 09's table may choose
 DEFAULT = "Triton, default path"
 FP8 = "Triton v2 fp8"
 
@@ -802,8 +802,8 @@ V2.results_table(results) if __name__ == "__main__" else None
 # engineering notes; on an H200, not in this build) found the tensor cores busy about half the time at
 # :math:`D = 64` in this kernel and cuDNN's alike, and at :math:`D = 128` 76% to 79% of the time (ours)
 # against 70% to 75% (cuDNN's). The matmul rate is measured once per page, after a second of warm-up,
-# and differs by a few percent between the pages of one build (compare the ceilings that lessons 04 to
-# 08 print): a kernel within a few percent of it, or even past it, is at the ceiling, not beyond it.
+# and differs by a few percent between the pages of one build (compare the ceilings that the
+# attention lessons print): a kernel within a few percent of it, or even past it, is at the ceiling, not beyond it.
 
 if __name__ == "__main__":
     peers = against_portable(table, peak, "lesson 05's kernel")

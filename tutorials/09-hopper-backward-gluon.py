@@ -1,6 +1,6 @@
 """
-Hopper II: the FlashAttention-3 backward in Gluon
-=================================================
+Hopper III: the FlashAttention-3 backward in Gluon
+==================================================
 
 The portable backward of lesson 06 executes seven matrix products per pair of blocks where five
 would do, or five with one atomic addition per element of :math:`dQ`. FlashAttention-3's backward
@@ -540,7 +540,7 @@ if __name__ == "__main__":
           "portable fallback (lessons 05 and 06's kernels).")
     # At this length the tables pick lesson 06's kernels in some cases (lesson 06 checks them): insist on Gluon.
     FWD.check_every_case(functools.partial(attention, warp_specialized=None if reason else True),
-                         "08-hopper-backward-gluon")
+                         "09-hopper-backward-gluon")
 
 # %%
 # Benchmark
@@ -595,7 +595,7 @@ if __name__ == "__main__":
     else:
         print("These are interpreter timings: they measure NumPy on the CPU, not GPU kernels.")
     defaults = FWD.default_path(results, table, default_backward, peers, "BACKWARD_PATHS")
-    V2.save_results("08-hopper-backward-gluon", [{
+    V2.save_results("09-hopper-backward-gluon", [{
         "name": "attention backward, " + ("warp-specialized" if WS in table else "no Gluon kernel ran"),
         "unit": "TFLOP/s", "ceiling_name": V2.V1.CEILING_NAME,
         "ceiling": peak, "ours": [FWD.DEFAULT] + [c for c in (WS, PORTABLE, ATOMIC) if c in table], "peers": peers,

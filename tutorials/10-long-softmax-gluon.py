@@ -1,6 +1,6 @@
 """
-Hopper III: long softmax rows in shared memory, in Gluon
-========================================================
+Hopper IV: long softmax rows in shared memory, in Gluon
+=======================================================
 
 Lesson 02's split-row softmax reads each element of a long row once, yet in bf16 it stays further
 from the copy bandwidth than in fp32, and its section "Registers and bytes in flight, by dtype" says
@@ -568,7 +568,7 @@ if __name__ == "__main__":
                   f"same-size copy, {row[CHOICE] / row[peers].max():.2g}x torch.softmax")
     if reason is not None:
         print("These are interpreter timings: the ratios measure NumPy on the CPU, not GPU kernels.")
-    FUSED.save_results("09-long-softmax-gluon", [{
+    FUSED.save_results("10-long-softmax-gluon", [{
         "name": f"long-row softmax, M = {M}", "unit": "GB/s", "ceiling_name": "copy bandwidth",
         "ceiling": copy_gbs, "ours": [name for name in (SHARED, CHOICE) if name in table.columns], "peers": peers,
         "rows": results.to_dict("records")}])
