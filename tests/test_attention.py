@@ -14,6 +14,7 @@ from torch.nn.functional import scaled_dot_product_attention
 V1, V2 = load("04-fused-attention-v1"), load("05-fused-attention-v2-forward")
 V2_BWD = load("06-fused-attention-v2-backward")
 HOPPER_FWD, HOPPER = load("07-hopper-forward-gluon"), load("09-hopper-backward-gluon")
+PROFILE = load("08-hopper-forward-profiled")
 
 
 def gluon_where_it_runs(attention):
@@ -598,21 +599,21 @@ def _round_robin_schedule(n_m, heads, programs):
 
 
 def test_host_cells_say_what_paced_the_benchmark():
-    """The verdict lessons 07 and 09 print under their host measurements: the host paced a call only where the
+    """The verdict lessons 08 and 09 print under their host measurements: the host paced a call only where the
     host time measured there is as long as the benchmark's time per call; otherwise the page says it cannot tell."""
-    assert "did not pace" in HOPPER_FWD.who_paced(1.0, 0.96, 0.3, 0.28)
-    assert "the host paced our calls" in HOPPER_FWD.who_paced(1.0, 0.6, 0.30, 0.31)
-    unexplained = HOPPER_FWD.who_paced(0.98, 0.41, 0.258, 0.699)  # the Gluon backward, build of 2026-11-25
+    assert "did not pace" in PROFILE.who_paced(1.0, 0.96, 0.3, 0.28)
+    assert "the host paced our calls" in PROFILE.who_paced(1.0, 0.6, 0.30, 0.31)
+    unexplained = PROFILE.who_paced(0.98, 0.41, 0.258, 0.699)  # the Gluon backward, build of 2026-11-25
     assert "cannot tell" in unexplained and "258 us" in unexplained and "699 us" in unexplained
 
 
 def test_host_times_are_taken_in_turns_and_keep_the_fastest(monkeypatch):
-    """The host cells of lessons 07 and 09 (GPU only) time every call once per round, in turn, and keep each
+    """The host cells of lessons 08 and 09 (GPU only) time every call once per round, in turn, and keep each
     call's fastest."""
     seen, times = [], iter([5.0, 3.0, 9.0, 4.0, 1.0, 2.0])
-    monkeypatch.setattr(HOPPER_FWD, "host_ms", lambda fn: (seen.append(fn()), next(times))[1])
+    monkeypatch.setattr(PROFILE, "host_ms", lambda fn: (seen.append(fn()), next(times))[1])
     calls = {"a": lambda: "a", ("a", "unplanned"): lambda: "a'", "b": lambda: "b"}
-    assert HOPPER_FWD.interleaved_host_ms(calls) == {"a": 4.0, ("a", "unplanned"): 1.0, "b": 2.0}
+    assert PROFILE.interleaved_host_ms(calls) == {"a": 4.0, ("a", "unplanned"): 1.0, "b": 2.0}
     assert seen == ["a", "a'", "b"] * 2
 
 
@@ -622,7 +623,7 @@ def test_the_sweep_takes_host_times_in_turns(monkeypatch):
     import tune
 
     seen, times = [], iter([5.0, 3.0, 9.0, 4.0, 1.0, 2.0])
-    monkeypatch.setattr(HOPPER_FWD, "host_ms", lambda fn: (seen.append(fn()), next(times))[1])
+    monkeypatch.setattr(PROFILE, "host_ms", lambda fn: (seen.append(fn()), next(times))[1])
     measured = {("portable", "fwd"): [0.2, 0.3], ("gluon", "bwd"): [2.0, 2.1], ("gluon", "fwd"): [0.1]}
     calls = {("portable", "fwd"): lambda: "portable", ("gluon", "fwd"): lambda: "gluon"}
     assert tune.host_times(measured, calls) == {("portable", "fwd"): 1.0, ("gluon", "bwd"): 0.0,
@@ -630,8 +631,22 @@ def test_the_sweep_takes_host_times_in_turns(monkeypatch):
     assert seen == ["portable", "gluon"] * 3
 
 
+def test_the_pacing_timeline_follows_the_slower_side():
+    """Lesson 08's picture: back to back, calls go at the pace of the slower of host and GPU; behind a flush the
+    events around each kernel read its GPU time once the host is ahead, and more when the host is too slow."""
+    _, flushes, kernels = PROFILE.timeline(host=1.0, gpu=1.6, flush=0.0, calls=5)
+    assert not flushes and [start for start, _ in kernels] == pytest.approx([1.0 + 1.6 * i for i in range(5)])
+    _, _, kernels = PROFILE.timeline(host=1.6, gpu=1.0, flush=0.0, calls=5)
+    assert [start for start, _ in kernels] == pytest.approx([1.6 * (i + 1) for i in range(5)])  # the GPU waits
+    for host, hidden in ((1.6, True), (2.0, True), (2.5, False)):
+        _, flushes, kernels = PROFILE.timeline(host=host, gpu=1.0, flush=1.2, calls=8)
+        timed = [k - (f + length) + 1.0 for (f, length), (k, _) in zip(flushes, kernels)]
+        assert (timed[-1] == pytest.approx(1.0)) == hidden, (host, timed)
+        assert all(start >= f + length for (f, length), (start, _) in zip(flushes, kernels))
+
+
 def test_exercise_schedule_accepts_balanced_answers():
-    HOPPER_FWD.check_schedule(_pairs_schedule)
+    PROFILE.check_schedule(_pairs_schedule)
 
     def longest_first(n_m, heads, programs):
         plan, loads = [[] for _ in range(programs)], [0] * programs
@@ -641,17 +656,17 @@ def test_exercise_schedule_accepts_balanced_answers():
             loads[least] += m + 1
         return plan
 
-    HOPPER_FWD.check_schedule(longest_first)
+    PROFILE.check_schedule(longest_first)
 
 
 def test_exercise_schedule_rejects_round_robin_and_lost_tiles():
     with pytest.raises(AssertionError, match="busiest program loads"):
-        HOPPER_FWD.check_schedule(_round_robin_schedule)
+        PROFILE.check_schedule(_round_robin_schedule)
     with pytest.raises(AssertionError, match="exactly once"):
-        HOPPER_FWD.check_schedule(lambda n_m, heads, programs: [tiles[1:] for tiles in
+        PROFILE.check_schedule(lambda n_m, heads, programs: [tiles[1:] for tiles in
                                                                 _pairs_schedule(n_m, heads, programs)])
     with pytest.raises(AssertionError, match="lists for"):
-        HOPPER_FWD.check_schedule(lambda n_m, heads, programs: _pairs_schedule(n_m, heads, programs)[:-1])
+        PROFILE.check_schedule(lambda n_m, heads, programs: _pairs_schedule(n_m, heads, programs)[:-1])
 
 
 def test_exercise_tma_ready():
@@ -951,9 +966,9 @@ def test_the_host_cells_read_a_benchmark_rate_back_as_time_per_call():
                          for c, m, p, v in ((False, "fwd", "x", 200.0), (True, "fwd", "x", 100.0),
                                             (True, "bwd", "x", 50.0), (True, "bwd", "y", 1.0))])
     flops = 4 * 2 * 3 * 1024 * 1024 * 64
-    assert math.isclose(HOPPER_FWD.benchmark_ms(rows, "x", 2, 3, 1024, 64, False, "fwd"), flops / 200e9)
-    assert math.isclose(HOPPER_FWD.benchmark_ms(rows, "x", 2, 3, 1024, 64, True, "fwd"), flops / 2 / 100e9)
-    assert math.isclose(HOPPER_FWD.benchmark_ms(rows, "x", 2, 3, 1024, 64, True, "bwd"), 2.5 * flops / 2 / 50e9)
+    assert math.isclose(PROFILE.benchmark_ms(rows, "x", 2, 3, 1024, 64, False, "fwd"), flops / 200e9)
+    assert math.isclose(PROFILE.benchmark_ms(rows, "x", 2, 3, 1024, 64, True, "fwd"), flops / 2 / 100e9)
+    assert math.isclose(PROFILE.benchmark_ms(rows, "x", 2, 3, 1024, 64, True, "bwd"), 2.5 * flops / 2 / 50e9)
 
 
 def test_the_host_integer_helpers_agree_with_tritons():

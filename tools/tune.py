@@ -184,11 +184,11 @@ HOST_PACED_BELOW_MS = 1.0
 
 def host_times(measured, calls, rounds=3):
     """{key: the host's ms to enqueue one call} for every key of `measured`: 0 for those without a call in
-    `calls` (calls too long for the host to pace); the others by lesson 07's interleaved_host_ms, in rounds
+    `calls` (calls too long for the host to pace); the others by lesson 08's interleaved_host_ms, in rounds
     that take every call in turn, so that a slow spell of the host falls on all the paths alike. Timed one
     path after another, a slow spell had once fallen on one path alone (348 us against 195 to 235 us in
     the other runs) and picked the other backward."""
-    timed = load("07-hopper-forward-gluon").interleaved_host_ms(calls, rounds)
+    timed = load("08-hopper-forward-profiled").interleaved_host_ms(calls, rounds)
     return {key: timed.get(key, 0.0) for key in measured}
 
 
@@ -259,7 +259,7 @@ def tune_attention():
     than the kernels differ."""
     V1 = load("04-fused-attention-v1")
     V2, V2_BWD = load("05-fused-attention-v2-forward"), load("06-fused-attention-v2-backward")
-    FWD = load("07-hopper-forward-gluon")
+    PROFILE = load("08-hopper-forward-profiled")
     sizes = (1024, 2048, 4096, 8192, 16384)
     # The launchers read the table while it is being filled: each timing below runs one candidate.
     V2.TUNED_ON.clear()
@@ -270,7 +270,7 @@ def tune_attention():
 
     def kernel_ms(fn, kernel):
         """GPU milliseconds per call of fn spent in the kernel named kernel, on a warm GPU."""
-        return FWD.kernel_ms(fn, max(3, min(30, V1.warm_up(fn))))[kernel]
+        return PROFILE.kernel_ms(fn, max(3, min(30, V1.warm_up(fn))))[kernel]
 
     times = {}  # (kernel name, D, causal) -> {N: {configuration: ms}}
     for D in HEADS:

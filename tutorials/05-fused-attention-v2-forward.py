@@ -371,7 +371,7 @@ TUNED_CONFIGS = by_bucket({
 def host_cdiv(a, b):
     """ceil(a / b) for the launchers. triton.cdiv gives the same, but is built to run inside kernels too, and
     from the host every call first unwraps its arguments: microseconds, which count where the host paces the
-    GPU (lesson 07, "Host time and GPU time at the smallest size")."""
+    GPU (lesson 08, "Host time and GPU time at the smallest size")."""
     return -(-a // b)
 
 
@@ -412,7 +412,7 @@ def tuned_case(q, causal):
 # first: it is what a user calls for inference. Its autograd function has no backward yet, and says
 # so when asked for gradients; the next lesson's ``attention`` has one.
 #
-# At short lengths the host's work per call matters as much as the GPU's (lesson 07's section "Host
+# At short lengths the host's work per call matters as much as the GPU's (lesson 08's section "Host
 # time and GPU time at the smallest size" measures both). One large piece is Triton's JIT dispatch:
 # on every call it inspects each of some thirty arguments, to find what the compiled kernel was
 # specialized on (dtypes, integers equal to 1 or divisible by 16, pointers aligned to 16 bytes), and

@@ -15,10 +15,14 @@ You will learn:
   TMA copies, mbarriers, asynchronous ``warpgroup_mma`` and ``warp_specialize``;
 * how a ring of buffers and its mbarrier *phases* work, with a picture of who waits for what;
 * how registers move between warps with ``setmaxnreg``;
-* why one program per SM that walks tile after tile beats one program per tile at short lengths,
-  and how pairs of causal tiles keep such programs evenly loaded;
+* why the kernel runs one program per SM that walks tile after tile, and how pairs of causal tiles
+  keep such programs evenly loaded;
 * why fp8 needs V stored with the keys contiguous on Hopper, and what fp8 buys;
-* what the host pays to launch a kernel that needs TMA descriptors, measured against GPU time.
+* how ``attention`` picks the Gluon or the portable forward for each case, from a table measured
+  once per GPU.
+
+Lesson 08 takes this forward's calls apart into host time and GPU time, and measures what one
+program per SM buys.
 
 It needs ``04-fused-attention-v1.py``, ``05-fused-attention-v2-forward.py`` and
 ``06-fused-attention-v2-backward.py`` next to it (the site's zip of all lessons has them) for lesson
@@ -42,7 +46,6 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
 
-import triton  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
@@ -243,8 +246,8 @@ _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_glo
 #   (when :math:`n_m` is odd, the middle block is a pair by itself, at half the cost).
 #
 # Consecutive tiles belong to the same head, so the programs running at the same time share its K and
-# V through L2, as they did with one program per tile. "What one program per SM buys", below, measures
-# persistence with this same kernel launched one program per tile.
+# V through L2, as they did with one program per tile. Lesson 08 measures what persistence buys, with
+# this same kernel launched one program per tile.
 
 WS_HEAD_DIMS = (64, 128)
 WS_BLOCK_M, WS_BLOCK_N, WS_STAGES = 128, 128, 2
@@ -485,7 +488,7 @@ def _ws_box_layout(rows, D, dtype):
 
 class CheckedDescriptor(TensorDescriptor):
     """A TensorDescriptor without its own checks of alignment, strides and box, which cost host time on every
-    call ("Host time and GPU time at the smallest size"): the launchers describe only tensors that
+    call (lesson 08 measures it): the launchers describe only tensors that
     warp_specialized_unsupported accepted or that they allocated, so the checks would repeat what is known."""
 
     def __post_init__(self):
@@ -527,16 +530,16 @@ def _ws_forward(q, k, v, o, lse, causal, sm_scale, programs=None):
 # 05's tiles (``python tools/tune.py attention``) also timed both forwards as a user calls them, each
 # as the slower of its GPU time and the host's time to enqueue one call (back to back, as in training,
 # the slower sets the pace), and recorded the faster per case. At :math:`N = 1024`, where the Gluon
-# call's host time is about its GPU time or longer ("Host time and GPU time at the smallest size"), the
-# portable call, lighter on the host, can win with more GPU time. The sweep ran before this page's
-# build (lesson 05's ``TUNED_ON`` says on which GPU). This page's benchmark, which gives the host a
-# head start, can disagree with it at the shortest lengths, where the table counted host time that the
+# call's host time is about its GPU time or longer (lesson 08 measures both), the portable call,
+# lighter on the host, can win with more GPU time. The sweep ran before this page's build (lesson 05's
+# ``TUNED_ON`` says on which GPU). This page's benchmark, which gives the host a head start (lesson 08
+# shows how), can disagree with it at the shortest lengths, where the table counted host time that the
 # benchmark hides, and elsewhere where two paths are close: the last line under "Reading the numbers"
-# counts the cases where they agree. ``warp_specialized=None`` runs the table's path
-# (Gluon where it can, in a case the table does not cover), ``True`` insists on Gluon (an error says
-# why when it cannot run), ``False`` asks for the portable kernel. Both forwards write the same output
-# and :math:`\mathrm{LSE}_2`, so the backward is lesson 06's two-pass one either way (the next lesson
-# replaces it on Hopper).
+# counts the cases where they agree. ``warp_specialized=None`` runs the table's path (Gluon where it
+# can, in a case the table does not cover), ``True`` insists on Gluon (an error says why when it
+# cannot run), ``False`` asks for the portable kernel. Both forwards write the same output and
+# :math:`\mathrm{LSE}_2`, so the backward is lesson 06's two-pass one either way (lesson 09 replaces it
+# on Hopper).
 
 # BEGIN tools/tune.py forward paths: written by the sweep; run it again rather than edit these lines.
 # N = 1024, 2048: tools/tune.py attention-paths, 2026-11-26, NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, Triton 3.6.0
@@ -828,196 +831,14 @@ if __name__ == "__main__":
         "rows": results.drop(columns="spread").to_dict("records") + defaults}])
 
 # %%
-# Host time and GPU time at the smallest size
-# -------------------------------------------
-# At :math:`N = 1024` a forward pass is under a tenth of a millisecond of GPU work, and launching it is
-# not free: the autograd function, the input checks and the launch run in Python on every call, and the
-# Gluon forward also builds three TMA descriptors. When the host needs longer to enqueue a call than the
-# GPU needs to run it, the GPU idles between calls and a benchmark measures the host. The benchmark
-# above gives the host a head start: before each timed call, ``do_bench`` clears the L2 cache by writing
-# a 256 MiB buffer, and the host enqueues the next call while the GPU writes. For each case at the
-# smallest size this cell measures the pieces: the host's time to enqueue one call without waiting for
-# the GPU (the fastest of ten loops of 50 calls, in two rounds taking turns with the other calls, since
-# the host's speed drifts), also with lesson 05's launch plans cleared before every call, so that each
-# goes through Triton's JIT; the GPU's own time per call (its kernels' durations from the CUDA
-# profiler), for both forwards and for cuDNN; and the write. Where our ratio to cuDNN by GPU time agrees
-# with the benchmark's, the host did not pace the benchmark, and the gap at this size is GPU time. Host
-# times vary from machine to machine far more than GPU times do. (The usual cures for host time are
-# CUDA graphs, which replay a whole sequence of launches at once, or more work per call.)
-
-
-def kernel_ms(fn, calls=20):
-    """{kernel name: GPU milliseconds per call of fn}, from the CUDA profiler."""
-    import warnings
-
-    fn()
-    torch.cuda.synchronize()
-    # The profiler warns about its own setup, with paths of the machine that runs it: not for the page.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-            for _ in range(calls):
-                fn()
-            torch.cuda.synchronize()
-    return {e.key: e.self_device_time_total / calls / 1e3 for e in profile.key_averages()
-            if e.self_device_time_total > 0}
-
-
-def benchmark_ms(results, provider, B, H, N, D, causal, mode):
-    """Milliseconds per call that the benchmark measured for provider in this case, from its TFLOP/s."""
-    row = results[(results["provider"] == provider) & (results["D"] == D) & (results["causal"] == causal)
-                  & (results["N"] == N) & (results["mode"] == mode)]
-    work = 4 * B * H * N * N * D * (0.5 if causal else 1.0) * (2.5 if mode == "bwd" else 1.0)
-    return work / float(row["value"].iloc[0]) * 1e-9
-
-
-def who_paced(by_gpu, by_benchmark, host, timed):
-    """What set the pace of our calls in the benchmark, from our ratio to cuDNN by GPU time and by the benchmark,
-    and our call's host time and benchmark time (ms) at the same length."""
-    if by_benchmark >= 0.95 * by_gpu:
-        return "the benchmark's is not 5% lower, so the host did not pace it."
-    if host >= 0.9 * timed:
-        return (f"the benchmark's is lower, and the host time measured here, {1e3 * host:.0f} us, is as long as "
-                "the benchmark's time per call: there the host paced our calls.")
-    return (f"the benchmark's is lower, yet the host time measured here, {1e3 * host:.0f} us, is well under the "
-            f"benchmark's {1e3 * timed:.0f} us per call: the host was slower while the benchmark ran, or something "
-            "else disturbed that timing, and these measurements cannot tell which.")
-
-
-def host_ms(fn, calls=50, loops=5):
-    """Host milliseconds to enqueue one call of fn, not waiting for the GPU: the fastest of several loops, since
-    other work on the machine only ever adds time (the benchmark keeps its fastest timing too)."""
-    import time
-
-    fn()
-    torch.cuda.synchronize()
-    fastest = float("inf")
-    for _ in range(loops):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        fastest = min(fastest, (time.perf_counter() - start) / calls * 1e3)
-        torch.cuda.synchronize()
-    return fastest
-
-
-def interleaved_host_ms(calls, rounds=2):
-    """{name: host_ms of calls[name]}, the fastest of rounds that take the calls in turn, sharing out the drift."""
-    host = {}
-    for _ in range(rounds):
-        for name, fn in calls.items():
-            host[name] = min(host.get(name, float("inf")), host_ms(fn))
-    return host
-
-
-if __name__ == "__main__" and ON_GPU:
-    N = sizes[0]
-    flush = sum(kernel_ms(triton.runtime.driver.active.get_empty_cache_for_benchmark().zero_).values())
-    print(f"Clearing L2 before each timed call: {1e3 * flush:.0f} us of GPU time.")
-    for B, H, D in cases:
-        for causal in (False, True):
-            # Inputs that require gradients, as in the benchmark: autograd then records each call's graph.
-            q, k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16, requires_grad=True)
-                       for _ in range(3))
-            calls = {"SDPA cuDNN": functools.partial(V2.sdpa_providers(causal, D ** -0.5, ["SDPA cuDNN"])["SDPA cuDNN"],
-                                                     q, k, v),
-                     "portable": functools.partial(attention, q, k, v, causal, D ** -0.5, warp_specialized=False)}
-            if warp_specialized_unsupported(q, k, v) is None:
-                calls["Gluon"] = functools.partial(attention, q, k, v, causal, D ** -0.5, warp_specialized=True)
-            host = interleaved_host_ms({**calls, **{(name, "unplanned"): lambda fn=fn: (V2.PLANS.clear(), fn())
-                                                     for name, fn in calls.items() if name != "SDPA cuDNN"}})
-            gpu = {name: sum(kernel_ms(fn).values()) for name, fn in calls.items()}
-            ours = min((name for name in calls if name != "SDPA cuDNN"), key=gpu.get)  # less GPU time
-            timed = {name: benchmark_ms(results, provider, B, H, N, D, causal, "fwd")
-                     for name, provider in (("SDPA cuDNN", "SDPA cuDNN"), ("portable", PORTABLE), ("Gluon", WS))
-                     if name in calls}
-            by_gpu, by_benchmark = gpu["SDPA cuDNN"] / gpu[ours], timed["SDPA cuDNN"] / timed[ours]
-            print(f"D={D:3d} {'causal    ' if causal else 'non-causal'} N={N}: " + "; ".join(
-                f"{name} host {1e3 * host[name]:.0f} us" +
-                (f" ({1e3 * host[name, 'unplanned']:.0f} with the plans cleared before each call)"
-                 if (name, "unplanned") in host
-                 else "") + f", GPU {1e3 * gpu[name]:.0f} us, benchmark {1e3 * timed[name]:.0f} us" for name in calls) +
-                f". The one with less GPU time ({ours}): {by_gpu:.2f}x cuDNN by GPU time, {by_benchmark:.2f}x in the "
-                f"benchmark; " + who_paced(by_gpu, by_benchmark, host[ours], timed[ours]))
-elif __name__ == "__main__":
-    print("Launch overhead is a GPU question: under the interpreter every call runs on the host anyway.")
-
-# %%
-# What one program per SM buys
-# ----------------------------
-# The Gluon kernel twice, by GPU time per call (the profiler's, as above): with one program per SM, as
-# ``attention`` launches it, and with one program per tile (per pair of tiles under causal masking),
-# close to a kernel that is not persistent, whose programs have nothing after their one unit of work to
-# overlap. Same kernel, same tiles (the tests check that both give the same bits); only the number of
-# programs differs. Each is profiled twice, in alternating order, and keeps its faster profile: at the
-# shortest length one kernel's profile can differ by a fifth or more from one cell or run to the next
-# (compare the Gluon GPU times above), so only the two launches measured side by side here are compared.
-# At the longest length a tile's start and end are a small part of its work, and the two come out close
-# either way. The table, on a Hopper GPU, gives both times per call and the gain.
-
-if __name__ == "__main__" and ON_GPU:
-    import pandas as pd
-
-    persistence = []
-    for B, H, D in cases:
-        for causal in (False, True):
-            for N in (sizes[0], sizes[1], sizes[-1]):
-                q, k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16) for _ in range(3))
-                if warp_specialized_unsupported(q, k, v) is not None:
-                    continue
-                o, lse = torch.empty_like(q), torch.empty((B, H, N), device=DEVICE)
-                programs = {"per SM": None, "per tile": B * H * V2.host_cdiv(N, WS_BLOCK_M)}  # capped at the pairs
-                ms = {}
-                for order in (list(programs), list(programs)[::-1]):
-                    for name in order:
-                        call = functools.partial(_ws_forward, q, k, v, o, lse, causal, D ** -0.5, programs[name])
-                        ms[name] = min(ms.get(name, float("inf")), sum(kernel_ms(call).values()))
-                persistence.append({"D": D, "causal": causal, "N": N,
-                                    "one per tile or pair (us)": round(1e3 * ms["per tile"]),
-                                    "one per SM (us)": round(1e3 * ms["per SM"]),
-                                    "gain": round(ms["per tile"] / ms["per SM"], 2)})
-elif __name__ == "__main__":
-    print("Persistence is a GPU question: the interpreter runs one program after another anyway.")
-pd.DataFrame(persistence).set_index(["D", "causal", "N"]) if __name__ == "__main__" and ON_GPU and persistence else None
-
-# %%
-# Exercises
-# ---------
-# 1. **Balancing causal tiles.** Under causal masking query block :math:`m` of a head loads
-#    :math:`m + 1` key blocks. Write ``schedule(n_m, heads, programs)`` (``heads`` counts batch times
-#    heads): one list per program (empty where nothing is left to run) of the ``(head, m)`` tiles it
-#    runs, so that every tile of every head runs exactly once and no program loads more than an even
-#    share of the key blocks plus :math:`n_m` (one tile's worth). ``check_schedule(schedule)`` tries it
-#    at several sizes and prints how close your busiest program comes to that limit. The tempting
-#    answer, tile :math:`t = \mathrm{head} \cdot n_m + m` (the kernel's order) to program
-#    :math:`t \bmod` ``programs``, fails at the shortest length here (8 blocks, 128 heads, 132
-#    programs): the check says by how much. The kernel's pairs are one answer; longest tile first to the
-#    least loaded program is another, which a kernel would have to read from a table.
-# 2. **Making a tensor loadable.** Write ``tma_ready(t)``: a tensor with the values of the 4-D tensor
-#    ``t`` that TMA can load (``tma_loadable`` says what that takes), ``t`` itself where it already is,
-#    a copy only where it is not. ``check_tma_ready(tma_ready)`` tries it on contiguous, transposed,
-#    sliced, broadcast and misaligned tensors. Watch out: ``t.contiguous()`` returns ``t`` itself
-#    whenever ``t`` is already contiguous, even where its data starts off a 16-byte boundary.
-
-
-def check_schedule(fn):
-    """Your schedule: every causal tile once, and the busiest program within one tile of an even share."""
-    for n_m, heads, programs in [(8, 128, 132), (16, 128, 132), (128, 64, 132), (7, 5, 3), (1, 3, 4)]:
-        plan = fn(n_m, heads, programs)
-        if len(plan) != programs:
-            raise AssertionError(f"{n_m} blocks, {heads} heads: {len(plan)} lists for {programs} programs")
-        tiles = sorted(tile for tiles in plan for tile in tiles)
-        if tiles != [(h, m) for h in range(heads) for m in range(n_m)]:
-            raise AssertionError(f"{n_m} blocks, {heads} heads: every (head, m) must run exactly once")
-        even = -(-(heads * n_m * (n_m + 1) // 2) // programs)  # the total, divided and rounded up
-        busiest = max(sum(m + 1 for _, m in tiles) for tiles in plan)
-        if busiest > even + n_m:
-            raise AssertionError(f"{n_m} blocks, {heads} heads, {programs} programs: the busiest program loads "
-                                 f"{busiest} key blocks, above the limit of {even + n_m} (the even share {even}, "
-                                 f"plus {n_m})")
-        print(f"{n_m} blocks, {heads} heads, {programs} programs: busiest {busiest} key blocks, limit {even + n_m} "
-              f"(even share {even})")
-    print("schedule runs every tile once and keeps every program within one tile of its share.")
+# Exercise
+# --------
+# **Making a tensor loadable.** Write ``tma_ready(t)``: a tensor with the values of the 4-D tensor ``t``
+# that TMA can load (``tma_loadable`` says what that takes), ``t`` itself where it already is, a copy
+# only where it is not. ``check_tma_ready(tma_ready)`` tries it on contiguous, transposed, sliced,
+# broadcast and misaligned tensors. Watch out: ``t.contiguous()`` returns ``t`` itself whenever ``t``
+# is already contiguous, even where its data starts off a 16-byte boundary. (Lesson 08's exercise
+# shares causal tiles between persistent programs.)
 
 
 def check_tma_ready(fn):

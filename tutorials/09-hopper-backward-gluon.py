@@ -18,11 +18,10 @@ You will learn:
   of them;
 * how to find where a backward's time goes with the CUDA profiler, kernel by kernel.
 
-This lesson needs lessons 04 to 07 next to it (``04-fused-attention-v1.py``,
-``05-fused-attention-v2-forward.py``, ``06-fused-attention-v2-backward.py`` and
-``07-hopper-forward-gluon.py``; the site's zip of all lessons has them): it runs lesson 07's
-forward, reuses lesson 06's preprocess and the earlier lessons' checks and benchmark helpers, and
-falls back to lesson 06's backward where Gluon cannot run. On such a machine this page still shows
+This lesson needs lessons 04 to 08 next to it (``04-fused-attention-v1.py`` to
+``08-hopper-forward-profiled.py``; the site's zip of all lessons has them): it runs lesson 07's
+forward, reuses lesson 06's preprocess, lesson 08's host and GPU timers and the earlier lessons'
+checks and benchmark helpers, and falls back to lesson 06's backward where Gluon cannot run. On such a machine this page still shows
 the design and the portable kernels' numbers, and says why the Gluon kernel did not run.
 """
 
@@ -84,7 +83,7 @@ def load_sibling(stem):
 
 
 V2, V2_BWD = load_sibling("05-fused-attention-v2-forward"), load_sibling("06-fused-attention-v2-backward")
-FWD = load_sibling("07-hopper-forward-gluon")
+FWD, PROFILE = load_sibling("07-hopper-forward-gluon"), load_sibling("08-hopper-forward-profiled")
 
 # %%
 # Five products, one program per key block
@@ -604,17 +603,17 @@ if __name__ == "__main__":
 # %%
 # The host at the smallest size
 # -----------------------------
-# At the smallest size the host's share of a call is largest, for the reason of lesson 07: a
+# At the smallest size the host's share of a call is largest, for the reason of lesson 08: a
 # backward call is a few Python launches (two kernels for the two-pass backward; for the atomic and
 # Gluon ones the preprocess, the main kernel, and zeroing and converting the fp32 :math:`dQ`) after
 # PyTorch's autograd engine, and the host's time to enqueue them can exceed the GPU's time to run
-# them. Whether it does is a measurement: the same split as in lesson 07, for each backward at the
+# them. Whether it does is a measurement: the same split as in lesson 08, for each backward at the
 # smallest size, the host's time per call (the fastest of two interleaved rounds) and the GPU's,
 # from the profiler (both include autograd adding each gradient into ``.grad``), and the time per
 # call that the benchmark above measured. Beside them, the host's floor for any backward written in
 # Python: an autograd function whose backward launches nothing and hands back gradients made
 # beforehand. cuDNN's backward is C++ inside PyTorch and pays no such Python round trip. As in
-# lesson 07, the cell sets our ratio to cuDNN by GPU time beside the benchmark's.
+# lesson 08, the cell sets our ratio to cuDNN by GPU time beside the benchmark's.
 
 
 class _GradientsReady(torch.autograd.Function):
@@ -642,11 +641,11 @@ if __name__ == "__main__" and ON_GPU:
             if FWD.warp_specialized_unsupported(q, k, v) is None:
                 fns["Gluon"] = lambda q, k, v: attention(q, k, v, causal, scale, warp_specialized=True)
             calls = {name: V2.V1.backward_call(fn, q, k, v) for name, fn in fns.items()}
-            host = FWD.interleaved_host_ms(calls)
-            gpu = {name: sum(FWD.kernel_ms(call).values()) for name, call in calls.items()}
+            host = PROFILE.interleaved_host_ms(calls)
+            gpu = {name: sum(PROFILE.kernel_ms(call).values()) for name, call in calls.items()}
             ours = min((name for name in fns if name != "SDPA cuDNN"), key=gpu.get)
-            floor = FWD.host_ms(V2.V1.backward_call(_GradientsReady.apply, q, k, v))
-            timed = {name: FWD.benchmark_ms(results, provider, B, H, N, D, causal, "bwd") for name, provider in
+            floor = PROFILE.host_ms(V2.V1.backward_call(_GradientsReady.apply, q, k, v))
+            timed = {name: PROFILE.benchmark_ms(results, provider, B, H, N, D, causal, "bwd") for name, provider in
                      (("SDPA cuDNN", "SDPA cuDNN"), ("two-pass", PORTABLE), ("atomic", ATOMIC), ("Gluon", WS))
                      if name in fns}
             by_gpu, by_benchmark = gpu["SDPA cuDNN"] / gpu[ours], timed["SDPA cuDNN"] / timed[ours]
@@ -656,7 +655,7 @@ if __name__ == "__main__" and ON_GPU:
                 f"; a Python backward that launches nothing, host {1e3 * floor:.0f} us. The one with less GPU time "
                 f"({ours}): {by_gpu:.2f}x cuDNN by GPU time, {by_benchmark:.2f}x in the benchmark, with "
                 f"{host[ours] / host['SDPA cuDNN']:.1f}x cuDNN's host time; "
-                + FWD.who_paced(by_gpu, by_benchmark, host[ours], timed[ours]))
+                + PROFILE.who_paced(by_gpu, by_benchmark, host[ours], timed[ours]))
             del q, k, v
 elif __name__ == "__main__":
     print("Launch overhead is a GPU question: under the interpreter every call runs on the host anyway.")
@@ -680,10 +679,10 @@ BACKWARD_PRODUCTS = {"attn_bwd_preprocess_kernel": 0, "attn_bwd_dkdv_kernel": 4,
 
 def backward_kernel_ms(fn, q, k, v, passes=3):
     """{kernel name: GPU milliseconds per backward pass} of every kernel that fn's backward runs, autograd's
-    additions into .grad included (lesson 07's profiler): per kernel, the fastest of ROUNDS profiles, as the
+    additions into .grad included (lesson 08's profiler): per kernel, the fastest of ROUNDS profiles, as the
     benchmark keeps the fastest of its timings."""
     call = V2.V1.backward_call(fn, q, k, v)
-    profiles = [FWD.kernel_ms(call, passes) for _ in range(V2.ROUNDS)]  # the first call tunes, unprofiled
+    profiles = [PROFILE.kernel_ms(call, passes) for _ in range(V2.ROUNDS)]  # the first call tunes, unprofiled
     return {name: min(profile.get(name, float("inf")) for profile in profiles) for name in profiles[0]}
 
 
