@@ -332,7 +332,7 @@ if __name__ == "__main__" and ON_GPU:
     fastest = measured.drop(index="SDPA cuDNN", level="call").groupby(level=["D", "causal"])
     benchmark_pick = fastest["benchmark (us)"].idxmin().str[-1]
     paced_pick = fastest["back to back (us)"].idxmin().str[-1]
-    differ = [f"D={D}{', causal' if causal else ''}" for (D, causal), name in paced_pick.items()
+    differ = [f"D={D} {'causal' if causal else 'non-causal'}" for (D, causal), name in paced_pick.items()
               if name != benchmark_pick[D, causal]]
     table_pick = {case: {WS: "Gluon", PORTABLE: "portable"}[FWD.default_forward(*case, N)] for case in paced_pick.index}
     agree = sum(table_pick[case] == name for case, name in paced_pick.items())
