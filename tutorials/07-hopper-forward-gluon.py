@@ -488,7 +488,7 @@ def _ws_box_layout(rows, D, dtype):
 
 class CheckedDescriptor(TensorDescriptor):
     """A TensorDescriptor without its own checks of alignment, strides and box, which cost host time on every
-    call (lesson 08 measures it): the launchers describe only tensors that
+    call (lesson 08 measures a call's host time): the launchers describe only tensors that
     warp_specialized_unsupported accepted or that they allocated, so the checks would repeat what is known."""
 
     def __post_init__(self):
@@ -524,22 +524,23 @@ def _ws_forward(q, k, v, o, lse, causal, sm_scale, programs=None):
 # %%
 # The launcher and autograd
 # -------------------------
-# Neither forward wins everywhere: the Gluon call's three TMA descriptors cost host time, and its one
-# tile shape is not the best at every head dimension and length, where the portable kernel runs the
-# tiles measured for the case. So ``attention`` follows ``FORWARD_PATHS``: the sweep that tuned lesson
-# 05's tiles (``python tools/tune.py attention``) also timed both forwards as a user calls them, each
-# as the slower of its GPU time and the host's time to enqueue one call (back to back, as in training,
-# the slower sets the pace), and recorded the faster per case. At :math:`N = 1024`, where the Gluon
-# call's host time is about its GPU time or longer (lesson 08 measures both), the portable call,
-# lighter on the host, can win with more GPU time. The sweep ran before this page's build (lesson 05's
-# ``TUNED_ON`` says on which GPU). This page's benchmark, which gives the host a head start (lesson 08
-# shows how), can disagree with it at the shortest lengths, where the table counted host time that the
-# benchmark hides, and elsewhere where two paths are close: the last line under "Reading the numbers"
-# counts the cases where they agree. ``warp_specialized=None`` runs the table's path (Gluon where it
-# can, in a case the table does not cover), ``True`` insists on Gluon (an error says why when it
-# cannot run), ``False`` asks for the portable kernel. Both forwards write the same output and
-# :math:`\mathrm{LSE}_2`, so the backward is lesson 06's two-pass one either way (lesson 09 replaces it
-# on Hopper).
+# Neither forward wins everywhere: the Gluon call's three TMA descriptors cost host time, and its
+# one tile shape is not the best at every head dimension and length, where the portable kernel runs
+# the tiles measured for the case. So ``attention`` follows ``FORWARD_PATHS``: the sweep that tuned
+# lesson 05's tiles (``python tools/tune.py attention``) also timed both forwards as a user calls
+# them, each as the slower of its GPU time and the host's time to enqueue one call (back to back, as
+# in training, the slower sets the pace), and recorded the faster per case. At :math:`N = 1024`,
+# where the Gluon call's host time is about its GPU time or longer (lesson 08 measures both), the
+# portable call, lighter on the host, can win with more GPU time. The sweep ran before this page's
+# build (lesson 05's ``TUNED_ON`` says on which GPU, and the comment above the table where rows were
+# measured again). This page's benchmark, which gives the host a head start (lesson 08 shows how),
+# can disagree with it at the shortest lengths, where the table counted host time that the benchmark
+# hides, and elsewhere where two paths are close: the last line under "Reading the numbers" counts
+# the cases where they agree. ``warp_specialized=None`` runs the table's path (Gluon where it can,
+# in a case the table does not cover), ``True`` insists on Gluon (an error says why when it cannot
+# run), ``False`` asks for the portable kernel. Both forwards write the same output and
+# :math:`\mathrm{LSE}_2`, so the backward is lesson 06's two-pass one either way (lesson 09 replaces
+# it on Hopper).
 
 # BEGIN tools/tune.py forward paths: written by the sweep; run it again rather than edit these lines.
 # N = 1024, 2048: tools/tune.py attention-paths, 2026-11-26, NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, Triton 3.6.0

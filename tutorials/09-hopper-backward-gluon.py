@@ -21,8 +21,9 @@ You will learn:
 This lesson needs lessons 04 to 08 next to it (``04-fused-attention-v1.py`` to
 ``08-hopper-forward-profiled.py``; the site's zip of all lessons has them): it runs lesson 07's
 forward, reuses lesson 06's preprocess, lesson 08's host and GPU timers and the earlier lessons'
-checks and benchmark helpers, and falls back to lesson 06's backward where Gluon cannot run. On such a machine this page still shows
-the design and the portable kernels' numbers, and says why the Gluon kernel did not run.
+checks and benchmark helpers, and falls back to lesson 06's backward where Gluon cannot run. On
+such a machine this page still shows the design and the portable kernels' numbers, and says why the
+Gluon kernel did not run.
 """
 
 # %%
@@ -629,7 +630,7 @@ class _GradientsReady(torch.autograd.Function):
 
 
 if __name__ == "__main__" and ON_GPU:
-    N = sizes[0]
+    N, write = sizes[0], PROFILE.l2_write_ms()
     for B, H, D in cases:
         for causal in (False, True):
             q, k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16, requires_grad=True)
@@ -655,7 +656,7 @@ if __name__ == "__main__" and ON_GPU:
                 f"; a Python backward that launches nothing, host {1e3 * floor:.0f} us. The one with less GPU time "
                 f"({ours}): {by_gpu:.2f}x cuDNN by GPU time, {by_benchmark:.2f}x in the benchmark, with "
                 f"{host[ours] / host['SDPA cuDNN']:.1f}x cuDNN's host time; "
-                + PROFILE.who_paced(by_gpu, by_benchmark, host[ours], timed[ours]))
+                + PROFILE.who_paced(by_gpu, by_benchmark, host[ours], gpu[ours], write))
             del q, k, v
 elif __name__ == "__main__":
     print("Launch overhead is a GPU question: under the interpreter every call runs on the host anyway.")
