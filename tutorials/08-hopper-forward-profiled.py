@@ -396,7 +396,7 @@ if __name__ == "__main__" and ON_GPU:
 pd.DataFrame(persistence).set_index(["D", "causal", "N"]) if __name__ == "__main__" and ON_GPU and persistence else None
 
 # %%
-# What the table says, computed from it:
+# Computed from those times, on a Hopper GPU:
 
 if __name__ == "__main__" and ON_GPU and persistence:
     gains = pd.DataFrame(persistence)
