@@ -674,6 +674,21 @@ def test_exercise_schedule_rejects_round_robin_and_lost_tiles():
         PROFILE.check_schedule(lambda n_m, heads, programs: _pairs_schedule(n_m, heads, programs)[:-1])
 
 
+def test_exercise_events_read(capsys):
+    def right(host, gpu, flush, calls):
+        _, flushes, kernels = PROFILE.timeline(host, gpu, flush, calls)
+        return [start + length - (write + took) for (write, took), (start, length) in zip(flushes, kernels)]
+
+    PROFILE.check_events_read(right)
+    assert "up to a host time of 2.20" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="host 1.6, GPU 1.0, write 1.2"):
+        PROFILE.check_events_read(lambda host, gpu, flush, calls: [gpu] * calls)  # the kernel alone, always
+    with pytest.raises(AssertionError, match="events_read gave"):  # timed from the start of the write
+        PROFILE.check_events_read(lambda host, gpu, flush, calls: [t + flush for t in right(host, gpu, flush, calls)])
+    with pytest.raises(AssertionError, match="events_read gave"):
+        PROFILE.check_events_read(lambda host, gpu, flush, calls: [float("nan")] * calls)
+
+
 def test_exercise_tma_ready():
     def right(t):
         return t if HOPPER_FWD.tma_loadable(t) else torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)

@@ -18,7 +18,8 @@ You will learn:
 * why ``do_bench``'s clearing of the L2 cache hides host time, and so why lesson 07's path table,
   which counts host time, can disagree with lesson 07's benchmark at the shortest length;
 * what one program per SM buys, measured by launching the same kernel both ways;
-* how to share causal tiles of unequal length evenly between programs (the exercise).
+* how to share causal tiles of unequal length evenly between programs, and how much host time a
+  benchmark can hide (the exercises).
 
 It needs ``04-fused-attention-v1.py`` to ``07-hopper-forward-gluon.py`` next to it (the site's zip of
 all lessons has them). The measurements need a GPU, and the Gluon kernel a Hopper GPU: on a CPU the
@@ -162,11 +163,11 @@ if __name__ == "__main__":
 # In the last panel the GPU is busy with the write and the kernel, 2.2 units per call, while the
 # host needs 1.6: the host gets further ahead with every call, and from the second call on each
 # kernel starts as soon as its write ends, so the events read the kernel's 1.0. A benchmark that
-# clears the cache hides any host time shorter than the write plus the kernel, once the host has got
-# ahead. That is why the sweep that wrote lesson 07's path table (``tools/tune.py attention``, or
-# ``attention-paths`` for that table alone) scores each path by the slower of its GPU time and its
-# host time, not by ``do_bench``: at the shortest length a call with more host time can win the
-# benchmark and lose back to back.
+# clears the cache hides, from the second call on, any host time up to the write plus the kernel
+# (exercise 2 finds that limit). That is why the sweep that wrote lesson 07's path table
+# (``tools/tune.py attention``, or ``attention-paths`` for that table alone) scores each path by the
+# slower of its GPU time and its host time, not by ``do_bench``: at the shortest length a call with
+# more host time can win the benchmark and lose back to back.
 #
 # The benchmark at the smallest size
 # ----------------------------------
@@ -406,18 +407,27 @@ if __name__ == "__main__" and ON_GPU and persistence:
           f"{longest.min():.2f} to {longest.max():.2f}.")
 
 # %%
-# Exercise
-# --------
-# **Balancing causal tiles.** Under causal masking query block :math:`m` of a head loads :math:`m + 1`
-# key blocks. Write ``schedule(n_m, heads, programs)`` (``heads`` counts batch times heads): one list
-# per program (empty where nothing is left to run) of the ``(head, m)`` tiles it runs, so that every
-# tile of every head runs exactly once and no program loads more than an even share of the key blocks
-# plus :math:`n_m` (one tile's worth). ``check_schedule(schedule)`` tries it at several sizes and prints
-# how close your busiest program comes to that limit. The tempting answer, tile
-# :math:`t = \mathrm{head} \cdot n_m + m` (lesson 07's order without causal masking) to program
-# :math:`t \bmod` ``programs``, fails at the shortest length here (8 blocks, 128 heads, 132 programs):
-# the check says by how much. Lesson 07's pairs are one answer; longest tile first to the least loaded
-# program is another, which a kernel would have to read from a table.
+# Exercises
+# ---------
+# 1. **Balancing causal tiles.** Under causal masking query block :math:`m` of a head loads
+#    :math:`m + 1` key blocks. Write ``schedule(n_m, heads, programs)`` (``heads`` counts batch
+#    times heads): one list per program (empty where nothing is left to run) of the ``(head, m)``
+#    tiles it runs, so that every tile of every head runs exactly once and no program loads more
+#    than an even share of the key blocks plus :math:`n_m` (one tile's worth).
+#    ``check_schedule(schedule)`` tries it at several sizes and prints how close your busiest
+#    program comes to that limit. The tempting answer, tile :math:`t = \mathrm{head} \cdot n_m + m`
+#    (lesson 07's order without causal masking) to program :math:`t \bmod` ``programs``, fails at
+#    the shortest length here (8 blocks, 128 heads, 132 programs): the check says by how much.
+#    Lesson 07's pairs are one answer; longest tile first to the least loaded program is another,
+#    which a kernel would have to read from a table.
+# 2. **What the benchmark reads.** ``do_bench`` records a CUDA event when the write that clears L2
+#    ends and another when the kernel ends, and reports the time between the two. Write
+#    ``events_read(host, gpu, flush, calls)``: that time for each of the calls, from the schedule
+#    that ``timeline`` computes. ``check_events_read(events_read)`` compares it with the schedule at
+#    several settings, then uses it to find the longest host time at which, for a kernel of 1.0 and
+#    a write of 1.2, the second call reads the kernel alone: the most host time the benchmark hides,
+#    which the verdict under "Host time and GPU time at the smallest size" compares the measured
+#    host time with.
 
 
 def check_schedule(fn):
@@ -438,3 +448,19 @@ def check_schedule(fn):
         print(f"{n_m} blocks, {heads} heads, {programs} programs: busiest {busiest} key blocks, limit {even + n_m} "
               f"(even share {even})")
     print("schedule runs every tile once and keeps every program within one tile of its share.")
+
+
+def check_events_read(fn):
+    """Your events_read against timeline's schedule; then the longest host time that the benchmark hides."""
+    import math
+
+    for host, gpu, flush in [(1.6, 1.0, 1.2), (2.5, 1.0, 1.2), (0.5, 2.0, 0.3), (3.0, 0.5, 1.0)]:
+        _, flushes, kernels = timeline(host, gpu, flush, 12)
+        expected = [start + length - (write + took) for (write, took), (start, length) in zip(flushes, kernels)]
+        got = list(fn(host, gpu, flush, 12))
+        if len(got) != len(expected) or not all(math.isclose(a, b, abs_tol=1e-9) for a, b in zip(got, expected)):
+            raise AssertionError(f"host {host}, GPU {gpu}, write {flush}: the events read {expected[:3]} ..., "
+                                 f"events_read gave {got[:3]} ...")
+    hidden = max(h / 100 for h in range(1, 500) if math.isclose(fn(h / 100, 1.0, 1.2, 2)[1], 1.0, rel_tol=1e-6))
+    print(f"events_read follows the schedule. With a kernel of 1.0 and a write of 1.2, the second call reads the "
+          f"kernel alone up to a host time of {hidden:.2f}: the write plus the kernel.")
