@@ -364,7 +364,7 @@ def test_fp8_refuses_head_dim_16(rng):
         V2.attention(*qkv, False, 0.25)
 
 
-def test_benchmark_rounds_alternate_and_drop_a_failing_provider(monkeypatch, capsys):
+def test_benchmark_passes_alternate_and_drop_a_failing_provider(monkeypatch, capsys):
     monkeypatch.setattr(V1, "ROUNDS", 3)
     monkeypatch.setattr(V1, "AGREE", 100.0)  # no timing is timed again here: see the next test
     calls = []
@@ -372,16 +372,25 @@ def test_benchmark_rounds_alternate_and_drop_a_failing_provider(monkeypatch, cap
     def timer(name, ms=1.0):
         def run():
             calls.append(name)
-            if name == "broken":
+            if name.startswith("broken"):
                 raise RuntimeError("no kernel for this case\nsecond line")
             return ms + len(calls)
         return run
 
-    times = V1.measure_in_rounds({("a", "fwd"): timer("a"), ("broken", "fwd"): timer("broken"),
-                                  ("broken", "bwd"): timer("broken"), ("b", "bwd"): timer("b")}, "N=7")
-    assert calls == ["a", "broken", "b", "b", "a", "a", "b"]  # rounds: first to last, back, again; "broken" once
-    assert times == {("a", "fwd"): [2.0, 6.0, 7.0], ("b", "bwd"): [4.0, 5.0, 8.0]}
-    assert "broken skipped at N=7: no kernel for this case" in capsys.readouterr().out
+    def timing_cases():
+        for case in ("c1", "c2"):
+            yield case, f"N={case}", {("a", "fwd"): timer(f"a{case}"), ("broken", "fwd"): timer(f"broken{case}"),
+                                      ("broken", "bwd"): timer(f"broken{case}"), ("b", "bwd"): timer(f"b{case}")}
+
+    times = V1.measure_in_passes(timing_cases)
+    # passes over both cases: first to last, back, again, so that one case's timings lie a pass apart;
+    # "broken" once per case
+    assert calls == ["ac1", "brokenc1", "bc1", "ac2", "brokenc2", "bc2", "bc1", "ac1", "bc2", "ac2",
+                     "ac1", "bc1", "ac2", "bc2"]
+    assert times == {("c1", ("a", "fwd")): [2.0, 9.0, 12.0], ("c1", ("b", "bwd")): [4.0, 8.0, 13.0],
+                     ("c2", ("a", "fwd")): [5.0, 11.0, 14.0], ("c2", ("b", "bwd")): [7.0, 10.0, 15.0]}
+    out = capsys.readouterr().out
+    assert "broken skipped at N=c1: no kernel for this case" in out and "broken skipped at N=c2" in out
 
 
 def test_a_provider_whose_two_fastest_timings_disagree_is_timed_again(monkeypatch, disagreeing_timings):
@@ -392,11 +401,12 @@ def test_a_provider_whose_two_fastest_timings_disagree_is_timed_again(monkeypatc
     def timer(name):
         return lambda: disagreeing_timings[name].pop(0)
 
-    times = V1.measure_in_rounds({(name, "fwd"): timer(name) for name in disagreeing_timings}, "N=7")
-    assert times == {("steady", "fwd"): [1.0, 1.2],  # within 25%: two timings
-                     ("disturbed", "fwd"): [1.0, 2.0, 1.1],  # a third agrees with the first: done
-                     ("always", "fwd"): [1.0, 3.0, 3.0, 3.0],  # never agrees: stops at MAX_TIMINGS
-                     ("slow first", "fwd"): [3.0, 1.0, 1.2]}
+    times = V1.measure_in_passes(lambda: iter([("c", "N=7", {(name, "fwd"): timer(name)
+                                                           for name in disagreeing_timings})]))
+    assert times == {("c", ("steady", "fwd")): [1.0, 1.2],  # within 25%: two timings
+                     ("c", ("disturbed", "fwd")): [1.0, 2.0, 1.1],  # a third agrees with the first: done
+                     ("c", ("always", "fwd")): [1.0, 3.0, 3.0, 3.0],  # never agrees: stops at MAX_TIMINGS
+                     ("c", ("slow first", "fwd")): [3.0, 1.0, 1.2]}
 
 
 def test_the_benchmark_calls_each_provider_once_in_its_compile_pass_then_times(monkeypatch, capsys):

@@ -654,39 +654,39 @@ def backward_ms(fn, q, k, v):
 
 
 # A GPU's speed drifts as it runs (its clocks follow its temperature and power draw): one kernel timed
-# several times in a row can differ by several percent, enough to reorder two close providers. So on
-# a GPU every provider is timed ROUNDS times, in alternating order, keeps its fastest timing, and the
-# page prints how far the timings spread. A timing far slower than its twin was disturbed, most often
-# by the host at the shortest lengths, where it paces the GPU: a provider whose two fastest timings
-# differ by more than AGREE is timed again, up to MAX_TIMINGS times in all.
+# several times in a row can differ by several percent, enough to reorder two close providers. And a
+# disturbance, most often the host at the shortest lengths, where it paces the GPU, can last a second
+# or more: in an H100 probe (2026-11-26, N = 1024) the two back-to-back timings of one provider came
+# out 20% slow together and agreed. So on a GPU every provider is timed ROUNDS times, in passes over
+# all the cases, in alternating order, so that its timings of one case lie seconds apart; it keeps its
+# fastest, and the page prints how far the timings spread. A provider whose two fastest timings differ
+# by more than AGREE is timed again, one more timing per further pass, up to MAX_TIMINGS in all.
 ROUNDS = 2 if ON_GPU else 1
 AGREE, MAX_TIMINGS = 0.25, 4
 
 
-def retime_disagreeing(times, timers):
-    """times ({key: [ms, ...]}) after passes that time again each timers[key] whose two fastest timings differ
-    by more than AGREE, one more timing per pass, until it has MAX_TIMINGS of them."""
-    for _ in range(MAX_TIMINGS - ROUNDS if ROUNDS > 1 else 0):
-        for key, ms in times.items():
-            fastest, second = sorted(ms)[:2]
-            if second > (1 + AGREE) * fastest:
-                ms.append(timers[key]())
-    return times
-
-
-def measure_in_rounds(timers, label):
-    """{(provider, mode): [ms, ...]}, timed as the comment above ROUNDS says; a provider that fails is left out."""
+def measure_in_passes(timing_cases):
+    """{(case, (provider, mode)): [ms, ...]}, timed as the comment above ROUNDS says, in passes over what
+    timing_cases() yields: (case, label, {(provider, mode): timer}). A provider that fails in a case is
+    left out of that case."""
     times, failed = {}, set()
+
+    def one_pass(reverse, wanted):
+        for case, label, timers in timing_cases():
+            for key in (list(timers)[::-1] if reverse else list(timers)):
+                if (case, key[0]) in failed or not wanted(times.get((case, key), [])):
+                    continue
+                try:
+                    times.setdefault((case, key), []).append(timers[key]())
+                except RuntimeError as error:  # a backend that does not support this case here
+                    print(f"{key[0]} skipped at {label}: {str(error).splitlines()[0][:100]}")
+                    failed.add((case, key[0]))
+
     for r in range(ROUNDS):
-        for key in (list(timers) if r % 2 == 0 else list(timers)[::-1]):
-            if key[0] in failed:
-                continue
-            try:
-                times.setdefault(key, []).append(timers[key]())
-            except RuntimeError as error:  # a backend that does not support this case here
-                print(f"{key[0]} skipped at {label}: {str(error).splitlines()[0][:100]}")
-                failed.add(key[0])
-    return retime_disagreeing({key: ms for key, ms in times.items() if key[0] not in failed}, timers)
+        one_pass(r % 2 == 1, lambda ms: True)
+    for _ in range(MAX_TIMINGS - ROUNDS if ROUNDS > 1 else 0):
+        one_pass(False, lambda ms: len(ms) < MAX_TIMINGS and sorted(ms)[1] > (1 + AGREE) * min(ms))
+    return {(case, key): ms for (case, key), ms in times.items() if (case, key[0]) not in failed}
 
 
 def run_benchmark(cases, sizes, providers, modes, extra_providers=None):
@@ -714,15 +714,15 @@ def run_benchmark(cases, sizes, providers, modes, extra_providers=None):
     if kernels:
         print(f"Compiled ahead: {kernels} kernels that the cells above had not compiled, on {os.cpu_count()} "
               f"threads, in a pass of {seconds:.1f} s that also ran every other provider once per case")
-    rows = []
-    for D, causal, N, flops, qkv, calls in each_case():
-        timers = {(name, mode): functools.partial(bench_ms, functools.partial(fn, *qkv)) if mode == "fwd" else
-                  functools.partial(backward_ms, fn, *qkv) for (name, mode), fn in calls.items()}
-        for (name, mode), ms in measure_in_rounds(timers, f"D={D}, N={N}, causal={causal}").items():
-            work = flops * (2.5 if mode == "bwd" else 1.0)
-            rows.append(dict(D=D, causal=causal, N=N, mode=mode, provider=name, value=work / min(ms) * 1e-9,
-                             spread=max(ms) / min(ms) - 1))
-    return rows
+    def timing_cases():
+        for D, causal, N, flops, qkv, calls in each_case():
+            timers = {(name, mode): functools.partial(bench_ms, functools.partial(fn, *qkv)) if mode == "fwd" else
+                      functools.partial(backward_ms, fn, *qkv) for (name, mode), fn in calls.items()}
+            yield (D, causal, N, flops), f"D={D}, N={N}, causal={causal}", timers
+
+    return [dict(D=D, causal=causal, N=N, mode=mode, provider=name,
+                 value=flops * (2.5 if mode == "bwd" else 1.0) / min(ms) * 1e-9, spread=max(ms) / min(ms) - 1)
+            for ((D, causal, N, flops), (name, mode)), ms in measure_in_passes(timing_cases).items()]
 
 
 # One colour and marker per provider on every attention page.
@@ -779,9 +779,9 @@ def spread_summary(results):
     """How far the repeated timings of one provider spread, by N: the yardstick for small differences."""
     spread = results.groupby("N")["spread"].agg(["median", "max"])
     worst = results.loc[results["spread"].idxmax()]
-    return (f"Each number is the fastest of {ROUNDS} timings taken in alternating order, or of up to {MAX_TIMINGS} "
-            f"where the two fastest differed by more than {AGREE:.0%}. The timings of one "
-            "provider in one case differ by (median, largest) "
+    return (f"Each number is the fastest of {ROUNDS} timings taken in passes over all the cases, in alternating "
+            f"order, or of up to {MAX_TIMINGS} where the two fastest differed by more than {AGREE:.0%}. The timings "
+            "of one provider in one case differ by (median, largest) "
             + ", ".join(f"N={n}: {row['median']:.1%}, {row['max']:.0%}" for n, row in spread.iterrows())
             + f"; the largest, {worst['spread']:.0%}, is {worst['provider']} ({worst['mode']}) at N={worst['N']}. "
             "Differences between providers smaller than the median spread at that N are noise; at the shortest "

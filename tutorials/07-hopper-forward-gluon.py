@@ -686,11 +686,11 @@ if __name__ == "__main__":
 # Benchmark
 # ---------
 # The forward pass in TFLOP/s at lesson 05's sizes against the portable kernel and SDPA's backends,
-# measured in this run the same way (on a GPU each provider timed twice in alternating order, more
-# often where the two disagree, the fastest kept), with the fp16 matrix-multiply rate measured in
-# this run as the ceiling (lesson 05's fp8 forward, also shown, can pass it). Under the interpreter
-# no Gluon kernel runs: lessons 05 and 06's kernels stand in for it, so the page still runs, and its
-# tables compare them with SDPA's math backend.
+# measured in this run the same way (on a GPU each provider timed twice, in two passes over the
+# cases, more often where the two disagree, the fastest kept), with the fp16 matrix-multiply rate
+# measured in this run as the ceiling (lesson 05's fp8 forward, also shown, can pass it). Under the
+# interpreter no Gluon kernel runs: lessons 05 and 06's kernels stand in for it, so the page still
+# runs, and its tables compare them with SDPA's math backend.
 
 WS = "Triton, warp-specialized (Gluon)"
 PORTABLE = "Triton v2 (lessons 05, 06)"
