@@ -713,7 +713,8 @@ def run_benchmark(cases, sizes, providers, modes, extra_providers=None):
     kernels, seconds = compile_ahead(call_each_once)
     if kernels:
         print(f"Compiled ahead: {kernels} kernels that the cells above had not compiled, on {os.cpu_count()} "
-              f"threads, in a pass of {seconds:.1f} s that also ran every other provider once per case")
+              f"threads, in a pass of {seconds:.1f} s that also ran every other provider once per case"
+              + (" (too short to compile: Triton's cache on disk held them)" if seconds < 0.1 * kernels else ""))
     def timing_cases():
         for D, causal, N, flops, qkv, calls in each_case():
             timers = {(name, mode): functools.partial(bench_ms, functools.partial(fn, *qkv)) if mode == "fwd" else
