@@ -377,7 +377,10 @@ def test_benchmark_passes_alternate_and_drop_a_failing_provider(monkeypatch, cap
             return ms + len(calls)
         return run
 
+    passes = []
+
     def timing_cases():
+        passes.append(len(calls))
         for case in ("c1", "c2"):
             yield case, f"N={case}", {("a", "fwd"): timer(f"a{case}"), ("broken", "fwd"): timer(f"broken{case}"),
                                       ("broken", "bwd"): timer(f"broken{case}"), ("b", "bwd"): timer(f"b{case}")}
@@ -389,6 +392,7 @@ def test_benchmark_passes_alternate_and_drop_a_failing_provider(monkeypatch, cap
                      "ac1", "bc1", "ac2", "bc2"]
     assert times == {("c1", ("a", "fwd")): [2.0, 9.0, 12.0], ("c1", ("b", "bwd")): [4.0, 8.0, 13.0],
                      ("c2", ("a", "fwd")): [5.0, 11.0, 14.0], ("c2", ("b", "bwd")): [7.0, 10.0, 15.0]}
+    assert len(passes) == 3  # ROUNDS passes; none more, as no provider's timings disagree
     out = capsys.readouterr().out
     assert "broken skipped at N=c1: no kernel for this case" in out and "broken skipped at N=c2" in out
 
@@ -646,6 +650,13 @@ def test_the_sweep_takes_host_times_in_turns(monkeypatch):
     assert seen == ["portable", "gluon"] * 3
 
 
+def _events_read(host, gpu, flush, calls):
+    """What do_bench's events read for each call of lesson 08's timeline: the kernel's end less its write's end."""
+    _, flushes, kernels = PROFILE.timeline(host, gpu, flush, calls)
+    return [start + length - (write_start + write_length)
+            for (write_start, write_length), (start, length) in zip(flushes, kernels)]
+
+
 def test_the_pacing_timeline_follows_the_slower_side():
     """Lesson 08's picture: back to back, calls go at the pace of the slower of host and GPU; behind a flush the
     events around each kernel read its GPU time once the host is ahead, and more when the host is too slow."""
@@ -655,7 +666,7 @@ def test_the_pacing_timeline_follows_the_slower_side():
     assert [start for start, _ in kernels] == pytest.approx([1.6 * (i + 1) for i in range(5)])  # the GPU waits
     for host, hidden in ((1.6, True), (2.0, True), (2.5, False)):
         _, flushes, kernels = PROFILE.timeline(host=host, gpu=1.0, flush=1.2, calls=8)
-        timed = [k - (f + length) + 1.0 for (f, length), (k, _) in zip(flushes, kernels)]
+        timed = _events_read(host, 1.0, 1.2, 8)
         assert (timed[-1] == pytest.approx(1.0)) == hidden, (host, timed)
         assert all(start >= f + length for (f, length), (start, _) in zip(flushes, kernels))
 
@@ -685,10 +696,7 @@ def test_exercise_schedule_rejects_round_robin_and_lost_tiles():
 
 
 def test_exercise_events_read(capsys):
-    def right(host, gpu, flush, calls):
-        _, flushes, kernels = PROFILE.timeline(host, gpu, flush, calls)
-        return [start + length - (write + took) for (write, took), (start, length) in zip(flushes, kernels)]
-
+    right = _events_read
     PROFILE.check_events_read(right)
     assert "up to a host time of 2.20" in capsys.readouterr().out
     with pytest.raises(AssertionError, match="host 1.6, GPU 1.0, write 1.2"):

@@ -180,6 +180,7 @@ if __name__ == "__main__":
 # measures them, so that the host and GPU times below can be set beside the benchmark's in this run.
 
 WS, PORTABLE = FWD.WS, FWD.PORTABLE
+PROVIDER_OF = {"SDPA cuDNN": "SDPA cuDNN", "portable": PORTABLE, "Gluon": WS}  # the calls timed below, by name
 
 
 def gluon_forward(q, k, v, causal, D):
@@ -304,9 +305,7 @@ if __name__ == "__main__" and ON_GPU:
                                                      for name, fn in calls.items() if name != "SDPA cuDNN"}})
             gpu = {name: sum(kernel_ms(fn).values()) for name, fn in calls.items()}
             ours = min((name for name in calls if name != "SDPA cuDNN"), key=gpu.get)  # less GPU time
-            timed = {name: benchmark_ms(results, provider, B, H, N, D, causal, "fwd")
-                     for name, provider in (("SDPA cuDNN", "SDPA cuDNN"), ("portable", PORTABLE), ("Gluon", WS))
-                     if name in calls}
+            timed = {name: benchmark_ms(results, PROVIDER_OF[name], B, H, N, D, causal, "fwd") for name in calls}
             measured += [{"D": D, "causal": causal, "call": name, "host (us)": round(1e3 * host[name]),
                           "host, plans cleared (us)": round(1e3 * host[name, "unplanned"]) if name != "SDPA cuDNN"
                           else None, "GPU (us)": round(1e3 * gpu[name]), "benchmark (us)": round(1e3 * timed[name])}
@@ -347,16 +346,17 @@ def draw_host_and_gpu(measured, flush_us):
 
 if __name__ == "__main__" and ON_GPU:
     draw_host_and_gpu(measured, 1e3 * flush)
-    fastest = measured.drop(index="SDPA cuDNN", level="call").groupby(level=["D", "causal"])
+    ours_only = measured.drop(index="SDPA cuDNN", level="call")
+    fastest = ours_only.groupby(level=["D", "causal"])
     benchmark_pick = fastest["benchmark (us)"].idxmin().str[-1]
     paced_pick = fastest["back to back (us)"].idxmin().str[-1]
     differ = [f"D={D} {'causal' if causal else 'non-causal'}" for (D, causal), name in paced_pick.items()
               if name != benchmark_pick[D, causal]]
-    ours_only = measured.drop(index="SDPA cuDNN", level="call")
     saved = (ours_only["host, plans cleared (us)"] - ours_only["host (us)"]).astype(float)
     print(f"Lesson 05's launch plans saved {saved.min():.0f} to {saved.max():.0f} us of host time per call of ours "
           f"here: the column with the plans cleared, where each call goes through Triton's JIT, minus the host column.")
-    table_pick = {case: {WS: "Gluon", PORTABLE: "portable"}[FWD.default_forward(*case, N)] for case in paced_pick.index}
+    call_of = {provider: name for name, provider in PROVIDER_OF.items()}
+    table_pick = {case: call_of[FWD.default_forward(*case, N)] for case in paced_pick.index}
     agree = sum(table_pick[case] == name for case, name in paced_pick.items())
     print(f"Of our two forwards, the benchmark and the back-to-back pace pick the same one in "
           f"{len(paced_pick) - len(differ)} of {len(paced_pick)} cases" + (f"; not at {', '.join(differ)}" if differ
