@@ -256,31 +256,33 @@ def test_shared_split_row_shares_rows_between_programs_on_hopper(N, chunk, dtype
     check(LESSON_10.long_softmax, x)
 
 
-def launch_grids(kernel, make_args, count, num_warps):
-    """Launch kernel cooperatively with the largest grid that count (programs the GPU holds) allows, then with one
-    group of SPLITS more: the first must run and give the softmax, the second must be refused, not hang."""
-    for extra, runs in ((0, True), (1, False)):
-        x, y, args, meta = make_args()
-        programs = (count(args, meta) // meta["SPLITS"] + extra) * meta["SPLITS"]
-        launch = lambda: kernel[(programs,)](*args, **meta, num_warps=num_warps, **LESSON_02.COOPERATIVE)  # noqa: E731
-        if runs:
-            launch()
-            torch.testing.assert_close(y.double(), torch.softmax(x.double(), dim=1), rtol=TOLERANCE[x.dtype], atol=0)
-        else:
-            with pytest.raises(RuntimeError, match="cooperative"):
-                launch()
+def launch_grids(counted_grid):
+    """counted_grid(extra_groups) -> (x, launch) for a kernel's grid with all the programs the GPU holds,
+    plus extra_groups groups: that grid must run cooperatively and give the softmax, one group more must be
+    refused, not hang."""
+    x, launch = counted_grid(0)
+    torch.testing.assert_close(launch().double(), torch.softmax(x.double(), dim=1), rtol=TOLERANCE[x.dtype], atol=0)
+    _, launch = counted_grid(1)
+    with pytest.raises(RuntimeError, match="cooperative"):
+        launch()
     torch.cuda.synchronize()  # the refused launch left the GPU usable
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a cooperative launch needs a GPU")
 def test_split_row_counts_exactly_the_programs_the_gpu_holds():
-    def make_args():
-        x = torch.randn(1024, 65536, device="cuda", dtype=torch.bfloat16)
-        return x, *LESSON_02._split_row_args(x, LESSON_02.SPLIT_BYTES // 2)
-
     warps = LESSON_02.SPLIT_WARPS
-    launch_grids(LESSON_02.split_row_kernel, make_args,
-                 lambda args, meta: LESSON_02._programs_that_fit(args, meta, warps), warps)
+
+    def counted_grid(extra_groups):
+        x = torch.randn(1024, 65536, device="cuda", dtype=torch.bfloat16)
+        y, args, meta = LESSON_02._split_row_args(x, LESSON_02.SPLIT_BYTES // 2)
+        programs = (LESSON_02._programs_that_fit(args, meta, warps) // meta["SPLITS"] + extra_groups) * meta["SPLITS"]
+
+        def launch():
+            LESSON_02.split_row_kernel[(programs,)](*args, **meta, num_warps=warps, **LESSON_02.COOPERATIVE)
+            return y
+        return x, launch
+
+    launch_grids(counted_grid)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a cooperative launch needs a GPU")
@@ -292,14 +294,12 @@ def test_split_row_counts_no_more_programs_per_sm_than_the_gpu_runs():
 @pytest.mark.skipif(not ON_HOPPER, reason="the shared-memory kernel needs a Hopper GPU")
 @pytest.mark.parametrize("chunk", [4096, 8192, 32768])
 def test_shared_split_row_counts_exactly_the_programs_the_gpu_holds(chunk):
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-
-    def make_args():
+    # the lesson's own grid, the one its page launches
+    def counted_grid(extra_groups):
         x = torch.randn(1024, 65536, device="cuda", dtype=torch.bfloat16)
-        return x, *LESSON_10._shared_args(x, chunk)
+        return x, LESSON_10.counted_grid(x, chunk, extra_groups)[2]
 
-    launch_grids(LESSON_10.shared_split_row_kernel, make_args,
-                 lambda args, meta: LESSON_10.compiled_kernel(args, meta)[1] * sms, LESSON_10.SHARED_WARPS)
+    launch_grids(counted_grid)
 
 
 BAD_INPUTS = [

@@ -364,6 +364,21 @@ def compiled_kernel(args, meta):
     return _compiled[key]
 
 
+def counted_grid(x, chunk, extra_groups=0):
+    """The grid of the shared-memory kernel on x that this lesson's count allows (all the GPU holds), plus
+    extra_groups groups of SPLITS programs: (programs, limits, launch). limits are program_limits'; launch()
+    runs the grid cooperatively and returns the softmax, or raises CUDA's RuntimeError for a grid too large."""
+    y, args, meta = _shared_args(x, chunk)
+    kernel, per_sm = compiled_kernel(args, meta)
+    props = torch.cuda.get_device_properties(x.device)
+    programs = (per_sm * props.multi_processor_count // meta["SPLITS"] + extra_groups) * meta["SPLITS"]
+
+    def launch():
+        shared_split_row_kernel[(programs,)](*args, **meta, num_warps=SHARED_WARPS, **LONG.COOPERATIVE)
+        return y
+    return programs, program_limits(kernel, props, SHARED_WARPS), launch
+
+
 def _shared_split_row(x, chunk):
     y, args, meta = _shared_args(x, chunk)
     M, splits = x.shape[0], meta["SPLITS"]
@@ -469,19 +484,15 @@ if __name__ == "__main__":
 
 if __name__ == "__main__" and reason is None:
     x = torch.randn(1024, 65536, device=DEVICE, dtype=torch.bfloat16)
-    props = torch.cuda.get_device_properties(DEVICE)
     for chunk in (8192, 16384):
         for extra in (0, 1):
-            y, args, meta = _shared_args(x, chunk)
-            kernel, per_sm = compiled_kernel(args, meta)
-            limits = program_limits(kernel, props, SHARED_WARPS)
-            programs = (per_sm * props.multi_processor_count // meta["SPLITS"] + extra) * meta["SPLITS"]
-            what = (f"chunks of {chunk}: {programs} programs ({per_sm} per SM, set by {min(limits, key=limits.get)})"
-                    if extra == 0 else f"chunks of {chunk}: {programs} programs (one group of {meta['SPLITS']} more)")
+            programs, limits, launch = counted_grid(x, chunk, extra)
+            what = (f"chunks of {chunk}: {programs} programs ({min(limits.values())} per SM, set by "
+                    f"{min(limits, key=limits.get)})" if extra == 0 else
+                    f"chunks of {chunk}: {programs} programs (one group of {x.shape[1] // chunk} more)")
             try:
-                shared_split_row_kernel[(programs,)](*args, **meta, num_warps=SHARED_WARPS, **LONG.COOPERATIVE)
-                right = torch.allclose(y.double(), torch.softmax(x.double(), dim=1), rtol=LONG.TOLERANCE[x.dtype],
-                                       atol=0)
+                right = torch.allclose(launch().double(), torch.softmax(x.double(), dim=1),
+                                       rtol=LONG.TOLERANCE[x.dtype], atol=0)
                 print(f"{what}: launched; softmax right: {right}")
             except RuntimeError as error:
                 print(f"{what}: refused ({error})")
