@@ -2,10 +2,9 @@
 Softmax over rows too long for one tile
 =======================================
 
-The fused softmax of the previous lesson keeps a whole row in registers. That stops working once a
-row is longer than a program's registers can hold. This lesson walks a row in chunks instead, first
-with three passes over it, then with two, using the *online softmax* trick that FlashAttention is
-built on.
+The fused softmax of the previous lesson keeps a whole row in registers, which stops working once a
+row outgrows a program's registers. This lesson walks a row in chunks instead: first in three passes,
+then in two, with the *online softmax* trick that FlashAttention is built on.
 
 You will learn:
 
@@ -13,15 +12,13 @@ You will learn:
 * the three-pass softmax (max, sum, normalize) and the bytes it moves;
 * the online softmax of Milakov and Gimelshein (2018), derived step by step: a running maximum
   with a rescaled running sum, in two passes;
-* the *combine step* that merges two partial softmax states, which split-K decoding kernels
-  reuse;
+* the *combine step* that merges two partial softmax states, which split-K decoding kernels reuse;
 * what ``exp2`` really saves over ``exp``, read from the instructions the compiler emits;
 * how far a single program can stretch before a row must leave the chip, and how several programs
   can share one row so that it is still read only once;
 * which kernel to run at which row length, from measurements;
 * how to give chunked kernels a backward pass that works for rows of any length;
-* how each compares with ``torch.softmax`` and ``torch.compile``, as fractions of the copy
-  bandwidth.
+* how each compares with ``torch.softmax`` and ``torch.compile``, as fractions of the copy bandwidth.
 
 This lesson needs ``01-fused-softmax.py`` next to it (the site's zip of all lessons has both): for
 short rows, its ``long_softmax`` runs that lesson's kernel.
@@ -90,51 +87,43 @@ FUSED = load_sibling("01-fused-softmax")  # for rows short enough to share a pro
 # %%
 # Why one tile per row stops scaling
 # ----------------------------------
-# A Triton program runs on one streaming multiprocessor (SM). Everything it holds at once lives in
-# that SM's registers (64K 32-bit registers, 256 KiB, on an H100) and shared memory (up to 228 KiB).
-# A program has at most 1,024 threads, so at most 64 registers per thread when it takes the whole
-# SM. A row of :math:`N = 65{,}536` fp32 values is 256 KiB, 64 values per thread: it cannot sit in
-# one program's registers next to the addresses and temporaries the math needs, and the compiler
-# *spills* the rest to local memory, which is device memory behind the caches. Half that row fits;
-# where exactly the limit falls is measured below. Past it, a kernel must walk the row in chunks of
-# ``BLOCK_N`` elements. The price: a softmax needs the row's maximum and sum before it can write a
-# single output, so each chunk must be read more than once.
+# A Triton program runs on one streaming multiprocessor (SM) and holds everything in that SM's
+# registers (64K 32-bit registers, 256 KiB, on an H100) and shared memory (up to 228 KiB). With at
+# most 1,024 threads, a program taking the whole SM gets at most 64 registers per thread. A row of
+# :math:`N = 65{,}536` fp32 values is 256 KiB, 64 values per thread: with the addresses and
+# temporaries the math needs, it cannot fit, and the compiler *spills* the rest to local memory
+# (device memory behind the caches). Half that row fits; the exact limit is measured below. Past
+# it, a kernel walks the row in ``BLOCK_N``-element chunks, at a price: a softmax needs the row's
+# maximum and sum before any output, so each chunk is read more than once.
 #
 # Three passes
 # ------------
-# The direct translation of the definition walks the row three times: once for the maximum
-# :math:`m`, once for the sum :math:`d = \sum_j e^{x_j - m}`, once to write
-# :math:`y_j = e^{x_j - m} / d`. That is :math:`3MN` elements read and :math:`MN` written: half the
-# speed of an ideal one-pass kernel, before anything else goes wrong.
+# Walking the row three times, for the maximum :math:`m`, the sum :math:`d = \sum_j e^{x_j - m}` and
+# the output :math:`y_j = e^{x_j - m} / d`, reads :math:`3MN` elements and writes :math:`MN`: half
+# the speed of an ideal one-pass kernel, before anything else goes wrong.
 #
-# Two details are shared by every kernel below. First, the exponential. GPUs have a hardware
-# instruction for :math:`2^x` (``ex2.approx`` in PTX, ``MUFU.EX2`` in machine code), and
-# :math:`e^x = 2^{x \log_2 e}`, so the kernels write ``exp2((x - m) * log2(e))``. That saves less
-# than it seems. Compiled without a GPU for an H100 (sm_90), with Triton 3.6.0 (ptxas 12.8) and
-# Triton 3.9.0 (ptxas 13.4) alike, ``tl.exp(x)`` already becomes a multiply by :math:`\log_2 e`
-# followed by ``ex2.approx.f32``: the very multiply that ``exp2(x * LOG2E)`` spells out. Two
-# differences remain, and only two:
+# Every kernel below shares two details. First, the exponential: GPUs have a hardware instruction for
+# :math:`2^x` (``ex2.approx`` in PTX, ``MUFU.EX2`` in machine code), and :math:`e^x = 2^{x \log_2 e}`,
+# so the kernels write ``exp2((x - m) * log2(e))``. That saves less than it seems: compiled without a
+# GPU for an H100 (sm_90) with Triton 3.6.0 (ptxas 12.8) and 3.9.0 (ptxas 13.4) alike, ``tl.exp(x)``
+# is already that multiply by :math:`\log_2 e` and an ``ex2.approx.f32``. Only two differences remain:
 #
-# * ``tl.exp2`` emits the flush-to-zero form, ``ex2.approx.ftz.f32``, which ptxas turns into one
-#   ``MUFU.EX2``. The ``ex2.approx.f32`` of ``tl.exp`` gets a compare and two predicated multiplies
-#   around it per element, which compute results below :math:`2^{-126}` (subnormals) correctly.
-#   Flushing them to zero moves a softmax output by less than :math:`1.2 \times 10^{-38}`.
-# * when a kernel multiplies its input anyway, as attention does with its scale, :math:`\log_2 e`
-#   folds into that constant: ``tl.exp(s * scale)`` is two multiplies per element,
-#   ``tl.exp2(s * (scale * LOG2E))`` one.
+# * ``tl.exp2`` emits the flush-to-zero ``ex2.approx.ftz.f32``, one ``MUFU.EX2`` after ptxas;
+#   ``tl.exp``'s ``ex2.approx.f32`` gets a compare and two predicated multiplies around it per
+#   element, to compute results below :math:`2^{-126}` (subnormals) correctly. Flushing them to
+#   zero moves a softmax output by less than :math:`1.2 \times 10^{-38}`.
+# * where a kernel multiplies its input anyway (attention's scale), :math:`\log_2 e` folds into that
+#   constant: ``tl.exp(s * scale)`` is two multiplies per element, ``tl.exp2(s * (scale * LOG2E))`` one.
 #
-# This lesson has no other multiply, so per element its kernels run one subtract, one multiply and
-# one ``MUFU.EX2``, where ``tl.exp(x - m)`` would add the compare and two multiplies. The kernels
-# are memory-bound, and whether those instructions show in their time is not measured here.
-#
-# The order of subtract and multiply matters: it is tempting to scale :math:`x` by
-# :math:`\log_2 e` as soon as it is loaded and subtract a scaled maximum later, but for logits
-# near :math:`10^4` the product is rounded to fp32's spacing there (about :math:`10^{-3}`), and
-# that rounding becomes a :math:`10^{-3}` relative error in every output. Subtracting first is
-# exact for nearby values, and the small difference then scales without loss. (The attention
-# lessons fold the scale into the scores anyway: their scores are small.) Second, the chunk's
-# maximum and sum are kept *per lane* (a vector of ``BLOCK_N`` partial results) and reduced across
-# the lanes only once, after the loop, instead of once per chunk.
+# With no other multiply here, each element costs one subtract, one multiply and one ``MUFU.EX2``,
+# where ``tl.exp(x - m)`` would add the compare and two multiplies (whether that shows in the time
+# of these memory-bound kernels is not measured). The order of subtract and multiply matters:
+# scaling :math:`x` by :math:`\log_2 e` on load and subtracting a scaled maximum later is tempting,
+# but for logits near :math:`10^4` the product is rounded to fp32's spacing there (about
+# :math:`10^{-3}`): a :math:`10^{-3}` relative error in every output. Subtracting first is exact for
+# nearby values, and the small difference then scales without loss. (The attention lessons fold the
+# scale into the scores anyway: their scores are small.) Second, each chunk's maximum and sum are
+# kept *per lane* (a vector of ``BLOCK_N`` partial results), reduced across lanes once, after the loop.
 
 
 @triton.jit
@@ -184,13 +173,10 @@ def three_pass_kernel(x_ptr, y_ptr, N, x_row_stride, x_col_stride, y_row_stride,
 #
 # After the last element, :math:`m_N` and :math:`d_N` are the true maximum and sum, and one more
 # pass writes the output: :math:`2MN` read, :math:`MN` written. The rescaling factor is at most 1,
-# so nothing overflows, and when the maximum does not change it is exactly 1.
-#
-# Per lane, the same update runs on a vector of partial states; at the end, the lanes are merged
-# with the same rule: :math:`m = \max_\ell m_\ell` and :math:`d = \sum_\ell d_\ell e^{m_\ell - m}`.
-#
-# That rule deserves a name, because it is the piece of the online softmax that everything later
-# reuses. For the states of two disjoint parts :math:`a` and :math:`b` of a row,
+# so nothing overflows, and it is exactly 1 when the maximum does not change. Per lane, the same
+# update runs on a vector of partial states, and at the end the lanes merge by the same rule,
+# :math:`m = \max_\ell m_\ell` and :math:`d = \sum_\ell d_\ell e^{m_\ell - m}`. Everything later reuses
+# that rule, so it deserves a name. For the states of two disjoint parts :math:`a` and :math:`b`:
 #
 # .. math::
 #
@@ -198,19 +184,17 @@ def three_pass_kernel(x_ptr, y_ptr, N, x_row_stride, x_col_stride, y_row_stride,
 #    &m = \max(m_a, m_b), \\
 #    &d = d_a e^{m_a - m} + d_b e^{m_b - m}.
 #
-# This is **the combine step**. It is exact and associative, so parts can be merged in any order
-# and grouping: one element at a time (the update above), lane by lane at the end of a loop, or
-# program by program. Decoding kernels for attention (split-K, also called flash-decoding) use
-# exactly this step: several programs each walk part of a long key sequence and leave a partial
-# :math:`(m, d, \mathit{acc})`, where :math:`\mathit{acc} = \sum e^{x - m} v` is rescaled by
-# :math:`e^{m_a - m}` just like :math:`d`, and a last step merges the partials. The split-row
-# kernel below merges the states of several programs the same way, and the second exercise at the
-# end asks for the decoding merge.
+# This is **the combine step**. It is exact and associative, so parts merge in any order and
+# grouping: one element at a time (the update above), lane by lane after a loop, or program by
+# program, as the split-row kernel below does. Attention decoding kernels (split-K, also called
+# flash-decoding) use exactly this step: programs each walk part of a long key sequence and leave a
+# partial :math:`(m, d, \mathit{acc})`, with :math:`\mathit{acc} = \sum e^{x - m} v` rescaled by
+# :math:`e^{m_a - m}` like :math:`d`, for a last step to merge (the second exercise).
 #
 # One trap: a lane that has seen only :math:`-\infty` (masked padding, or genuine ``-inf`` logits)
 # has :math:`m_\ell = -\infty`, and :math:`e^{m_\ell - m_\ell}` is :math:`e^{-\infty + \infty}`,
-# ``NaN``. The kernel rescales against a maximum that is replaced by 0 while it is still
-# :math:`-\infty`; the terms are then :math:`e^{-\infty} = 0`, as they should be.
+# ``NaN``. The kernel rescales against a maximum replaced by 0 while it is still :math:`-\infty`;
+# the terms are then :math:`e^{-\infty} = 0`, as they should be.
 
 
 @triton.jit
@@ -243,11 +227,10 @@ def online_softmax_kernel(x_ptr, y_ptr, N, x_row_stride, x_col_stride, y_row_str
 # %%
 # One pass, while the row still fits
 # ----------------------------------
-# Between "fits in a few warps" and "cannot fit at all" lies a range where a row fits in one
-# program only if that program takes the whole SM: 32 warps (1,024 threads), each thread holding
-# a few dozen elements in registers. Then the row is read once and written once, like the fused
-# kernel. How long a row can get before this kernel spills is a question for the compiler and the
-# GPU, so the section "Where a row stops fitting on chip", after the benchmark, asks them.
+# Between "fits in a few warps" and "cannot fit at all", a row fits in one program only if that
+# program takes the whole SM: 32 warps (1,024 threads), each thread holding a few dozen elements in
+# registers. The row is then read once and written once, like the fused kernel. Where it starts to
+# spill is for the compiler and GPU to say: see "Where a row stops fitting on chip", after the benchmark.
 
 
 @triton.jit
@@ -265,14 +248,13 @@ def row_on_chip_kernel(x_ptr, y_ptr, N, x_row_stride, x_col_stride, y_row_stride
 # %%
 # The backward, for rows of any length
 # ------------------------------------
-# Every launcher below returns a tensor that autograd can differentiate. The math is lesson 01's:
-# the Jacobian of a softmax row is :math:`\operatorname{diag}(y) - y\,y^\top`, so
-# :math:`dx = y \circ \big(dy - \operatorname{rowsum}(dy \circ y)\big)`, which needs only the
-# saved output :math:`y`. What changes is that a long row no longer fits in registers, so the
-# backward walks it in chunks, like the forward: one loop for the row's dot product of :math:`dy`
-# and :math:`y` (kept per lane, reduced once), one loop to write :math:`dx`. It reads :math:`y` and
-# :math:`dy` twice, where lesson 01's fused backward reads them once, and in exchange it handles
-# rows of any length with one kernel, whichever forward produced :math:`y`.
+# Every launcher below returns a tensor that autograd can differentiate, with lesson 01's math: the
+# Jacobian of a softmax row is :math:`\operatorname{diag}(y) - y\,y^\top`, so
+# :math:`dx = y \circ \big(dy - \operatorname{rowsum}(dy \circ y)\big)`, which needs only the saved
+# output :math:`y`. A long row no longer fits in registers, so the backward walks it in chunks like
+# the forward: one loop for the dot product of :math:`dy` and :math:`y` (per lane, reduced once), one
+# to write :math:`dx`. That reads :math:`y` and :math:`dy` twice, lesson 01's fused backward once,
+# but one kernel serves rows of any length, whichever forward produced :math:`y`.
 
 
 @triton.jit
@@ -301,21 +283,17 @@ def softmax_backward_kernel(y_ptr, dy_ptr, dx_ptr, N, dy_row_stride, dy_col_stri
 # %%
 # The launch helpers
 # ------------------
-# One program per row: with :math:`M = 4096` rows there are many more programs than SMs, so the
-# hardware scheduler keeps every SM busy without a persistent loop. The chunk is 4,096 elements
-# processed by 8 warps (16 elements per thread); ``block_n`` lets the tests force tiny chunks so
-# that the loops run many times. A chunk must be a power of two, since Triton's block shapes are;
-# a bad ``block_n`` is refused here by name, rather than by the interpreter deep inside the kernel
-# with a message about ``arange``. As in lesson 01, a *negative view* (``torch._neg_view(x)``, or
-# ``x.conj().imag`` of a complex tensor) is resolved first: it shares memory with the un-negated
-# values and only carries a flag that a kernel, reading raw memory, would never see.
-#
-# The autograd wrapper is lesson 01's, with this lesson's backward kernel: ``forward`` runs a
-# launcher and saves :math:`y`, ``backward`` runs the kernel above, and the wrapper is skipped when
-# no graph is wanted, so that calls without one, such as the benchmark's, pay nothing for it.
+# One program per row: :math:`M = 4096` rows give many more programs than SMs, so the hardware
+# scheduler keeps every SM busy without a persistent loop. Chunks are 4,096 elements on 8 warps (16
+# per thread); tests force tiny ones with ``block_n`` so that the loops run many times. A chunk must
+# be a power of two, like Triton's block shapes: a bad ``block_n`` is refused here by name, not deep
+# in the kernel by the interpreter with a message about ``arange``. As in lesson 01, a
+# *negative view* (``torch._neg_view(x)``, or ``x.conj().imag`` of a complex tensor) is resolved
+# first: it shares memory with the un-negated values, carrying only a flag that a kernel reading raw
+# memory never sees. The autograd wrapper is lesson 01's, with the backward above (``forward``
+# saves :math:`y`); calls that want no graph, such as the benchmark's, skip it and pay nothing.
 
-# Lesson 01's input check and dtypes, under their own names here.
-check_input, SUPPORTED_DTYPES = FUSED.check_input, FUSED.SUPPORTED_DTYPES
+check_input, SUPPORTED_DTYPES = FUSED.check_input, FUSED.SUPPORTED_DTYPES  # lesson 01's, under their own names
 ROW_ON_CHIP_LIMIT = 32768  # longest row (elements) row_on_chip_kernel is launched for
 MAX_BLOCK = 2 ** 20  # the most elements Triton allows in one block
 
@@ -409,35 +387,28 @@ def row_on_chip_softmax(x):
 # %%
 # Beyond one SM: programs that share a row
 # ----------------------------------------
-# Once a row no longer fits in one SM, the two-pass kernel reads it twice, and the ceiling for that
-# is two thirds of the copy bandwidth. To read a long row only once, several programs must share
-# it. Each of ``SPLITS`` programs holds one chunk of the row in registers and computes the chunk's
-# maximum :math:`m_c` and sum :math:`d_c = \sum e^{x - m_c}`. It publishes the pair to a small
-# buffer in device memory and increments the row's *arrival counter*, then waits until the counter
-# shows every chunk has arrived. It merges all the pairs with the combine step,
-# :math:`m = \max_c m_c`, :math:`d = \sum_c d_c\, e^{m_c - m}`, and normalizes the chunk it still
-# holds. Each element is read once and written once, like the fused kernel, for rows of any length
-# that the whole GPU can hold.
+# Past one SM, the two-pass kernel reads a row twice: a ceiling of two thirds of the copy bandwidth.
+# To read a long row once, several programs share it. Each of ``SPLITS`` programs holds one chunk in
+# registers, computes its maximum :math:`m_c` and sum :math:`d_c = \sum e^{x - m_c}`, publishes the
+# pair to a small buffer in device memory, increments the row's *arrival counter*, waits until it
+# shows every chunk has arrived, merges the pairs with the combine step and normalizes the chunk it
+# still holds: each element read and written once, like the fused kernel, for rows of any length the
+# whole GPU can hold. GPU kernels normally never wait for one another, and this takes care (on
+# Hopper, thread-block clusters with distributed shared memory do the exchange in hardware, without a
+# round trip through device memory; Triton does not expose them):
 #
-# Waiting for another program is something GPU kernels normally never do, and it takes care:
-#
-# * **Every program of a row must be running at the same time**, or the ones that wait spin
-#   forever on a chunk that never arrives. The launcher therefore compiles the kernel first, reads
-#   how many programs fit on the GPU at once (its occupancy) and launches no more than that. Each
-#   group of ``SPLITS`` programs then walks its share of the rows. And it launches them
-#   *cooperatively* (``launch_cooperative_grid=True``): CUDA then starts all of them together, or
-#   refuses a grid too large for that with an error ("too many blocks in cooperative launch")
-#   instead of letting it hang.
-# * **Memory ordering.** The pair must be visible before the counter says it is. The increment is
-#   an atomic with *release* semantics, and the polling read an atomic with *acquire* semantics;
-#   the pairs are read back with ``volatile`` loads that bypass the SM's non-coherent L1 cache.
-# * **The interpreter runs programs one after another.** A program that waits for a later one
-#   would wait forever there, so under the interpreter the launcher gives each row to a single
-#   program (``SPLITS = 1``), which exercises everything but the waiting. The lesson's correctness
-#   check below runs the cooperative version on a GPU, on rows split ten ways.
-#
-# (On Hopper, thread-block clusters with distributed shared memory do this exchange in hardware,
-# without a round trip through device memory; Triton does not expose them.)
+# * **Every program of a row must be running at the same time**, or the waiting ones spin forever
+#   on a chunk that never arrives. So the launcher compiles the kernel first, reads how many
+#   programs fit on the GPU at once (its occupancy) and launches no more, each group of ``SPLITS``
+#   programs walking its share of the rows, *cooperatively* (``launch_cooperative_grid=True``):
+#   CUDA starts them all together, or refuses a grid too large for that with an error ("too many
+#   blocks in cooperative launch") instead of letting it hang.
+# * **Memory ordering.** The pair must be visible before the counter says it is: the increment is
+#   an atomic with *release* semantics, the polling read one with *acquire* semantics, and the pairs
+#   are read back with ``volatile`` loads that bypass the SM's non-coherent L1 cache.
+# * **The interpreter runs programs one after another**, so a program waiting for a later one would
+#   wait forever: there each row gets one program (``SPLITS = 1``), exercising all but the waiting.
+#   The correctness check below runs the cooperative version on a GPU, on rows split ten ways.
 
 
 @triton.jit
@@ -472,13 +443,10 @@ def split_row_kernel(x_ptr, y_ptr, stats_ptr, arrived_ptr, M, N, x_row_stride, x
         tl.store(y_ptr + row64 * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
 
 
-# 32 KiB of the row per program, held by 4 warps: 8,192 fp32 or 16,384 bf16 elements, the winners of
-# `tools/tune.py split-row` on an H100. (bf16 with fp32's 8,192: 83% of a same-size copy at 65,536
-# columns, against 89% with 16,384.)
+# 32 KiB of the row per program, 4 warps: 8,192 fp32 or 16,384 bf16 elements, `tools/tune.py split-row`'s H100 winners
+# (bf16 with fp32's 8,192: 83% of a same-size copy at 65,536 columns, against 89% with 16,384).
 SPLIT_BYTES, SPLIT_WARPS = 32768, 4
-# A cooperative launch: CUDA starts every program of the grid together, or refuses the launch with an error
-# where they cannot all be resident, instead of leaving the waiting programs to spin forever.
-COOPERATIVE = dict(launch_cooperative_grid=True)
+COOPERATIVE = dict(launch_cooperative_grid=True)  # all programs resident at once, or CUDA refuses (see above)
 _resident = {}
 
 
@@ -552,9 +520,8 @@ TILE_LIMIT = 8192
 
 
 def long_softmax(x):
-    """The fastest kernel measured for the row length: lesson 01's softmax for short rows, one program
-    per row while a row fits in one SM, then programs that share a row (on a GPU) or the two-pass
-    online kernel."""
+    """The fastest kernel measured for the row length: lesson 01's softmax for short rows, one program per row
+    while a row fits in one SM, then programs that share a row (on a GPU) or the two-pass online kernel."""
     check_input(x)
     if x.shape[1] <= TILE_LIMIT:
         return FUSED.softmax(x)
@@ -593,19 +560,14 @@ if __name__ == "__main__":
 # %%
 # Benchmark
 # ---------
-# On a GPU, :math:`M = 4096` rows of 16K to 256K elements (under the interpreter, a few small
-# rows), in GB/s (:math:`2MN \times` element size over
-# time), beside ``torch.softmax``, ``torch.compile`` (GPU only) and the copy bandwidth measured in
-# this run, timed with lesson 01's harness. The row-on-chip kernel appears only where rows fit its
-# limit.
+# On a GPU, :math:`M = 4096` rows of 16K to 256K elements (under the interpreter, a few small rows),
+# in GB/s (:math:`2MN \times` element size over time), beside ``torch.softmax``, ``torch.compile``
+# (GPU only) and the copy bandwidth measured in this run, timed with lesson 01's harness.
 
-# Lesson 01's benchmark harness, under its own names here: what produced the numbers, the timing
-# (``bench_ms``, and ``fastest_of_rounds`` over ``ROUNDS`` rounds), the copy bandwidth and the
-# results left for the performance page.
+# Lesson 01's harness under its own names: platform, timing, copy bandwidth, results for the performance page.
 describe_platform, bench_ms, fastest_of_rounds, ROUNDS = (
     FUSED.describe_platform, FUSED.bench_ms, FUSED.fastest_of_rounds, FUSED.ROUNDS)
 copy_bandwidth_gbs, save_results = FUSED.copy_bandwidth_gbs, FUSED.save_results
-
 
 OURS = {"three-pass": three_pass_softmax, "online (two-pass)": online_softmax,
         "row on chip (one pass)": row_on_chip_softmax, "split row (one pass, shared)": split_row_softmax}
@@ -648,21 +610,19 @@ if __name__ == "__main__":
 # %%
 # The results
 # -----------
-# Every provider's speed in GB/s at each row length, in this run (NaN where a kernel does not
-# run: the row-on-chip kernel stops at ``ROW_ON_CHIP_LIMIT``; to 0.1 GB/s on a GPU, three decimals
-# for the interpreter's tiny figures):
+# Every provider's speed in GB/s at each row length, in this run (NaN where a kernel does not run,
+# as row-on-chip past ``ROW_ON_CHIP_LIMIT``; to 0.1 GB/s on a GPU, three decimals for the interpreter):
 
 table.rename(columns=lambda name: f"{name} [GB/s]").round(1 if ON_GPU else 3) if __name__ == "__main__" else None
 
 # %%
 # What the numbers say
 # --------------------
-# Computed from the table just above, in this run: for each row length, the fastest of this
-# lesson's kernels, its speed relative to the best of the PyTorch peers, and its share of the copy
-# bandwidth. The byte counts predict at most 1/2 of the copy bandwidth for three passes, 2/3 for
-# two, and all of it for the one-pass kernels. A pass that re-reads a row still in the L2 cache can
-# beat its prediction, and the shorter the row, the more of it stays there: the table shows by how
-# much.
+# From the table just above, in this run: for each row length, the fastest of this lesson's
+# kernels, its speed relative to the best PyTorch peer, and its share of the copy bandwidth. The
+# byte counts predict at most 1/2 of the copy bandwidth for three passes, 2/3 for two, all of it for
+# one pass; a pass re-reading a row still in the L2 cache can beat that, the more so the shorter
+# the row: the table shows by how much.
 
 if __name__ == "__main__":
     peers = [c for c in table.columns if c not in OURS]
@@ -705,15 +665,14 @@ if __name__ == "__main__":
 # %%
 # Registers and bytes in flight, by dtype
 # ---------------------------------------
-# Where bf16 runs further from the copy than fp32 in the table above (as it has in this site's
-# H100 builds), here is a place to look. Both dtypes give each split-row program 32 KiB of the
-# row, yet in bf16 that is twice as many elements, and the kernel holds each one as an fp32 value
-# in registers until it has the row's statistics. More registers per thread mean fewer programs
-# per SM, and while a program waits for the rest of its row, only the other programs on its SM
-# keep loads in flight. This cell asks the compiler, for each dtype at the longest row of the
-# benchmark: registers per thread, programs of the kernel that fit on one SM, and so how much of
-# the row each SM can be loading at once, next to the speed measured above. Lesson 10 keeps the
-# chunk in shared memory instead, as the 16-bit values that were read, and measures what that buys.
+# Where bf16 runs further from the copy than fp32 in the table above (as in this site's H100
+# builds), look here: each split-row program gets 32 KiB of the row in both dtypes, twice the
+# elements in bf16, each held as fp32 in registers until the row's statistics arrive. More
+# registers per thread mean fewer programs per SM, and while a program waits for the rest of its
+# row, only the other programs on its SM keep loads in flight. At the longest row, this cell asks
+# the compiler per dtype for registers per thread and programs per SM, hence the part of the row
+# each SM can be loading at once, beside the measured speed. Lesson 10 keeps the chunk in shared
+# memory instead, as the 16-bit values read, and measures what that buys.
 
 if __name__ == "__main__" and ON_GPU:
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
@@ -733,16 +692,15 @@ elif __name__ == "__main__":
 # %%
 # Where a row stops fitting on chip
 # ---------------------------------
-# Lesson 01 argued from the register file: a program of 1,024 threads has at most 64 registers per
-# thread, so a row of 32,768 fp32 values (32 per thread) fits with room for temporaries, and one of
-# 65,536 (64 per thread) cannot. On a GPU, this cell compiles the row-on-chip kernel with 32 warps
-# for rows of 16,384, 32,768 and 65,536 fp32 values (it launches the kernel directly, past the
-# launcher's limit) and prints what the compiler gave it, registers and local memory (spills) per
-# thread, and its speed on :math:`M = 4096` rows. Without a GPU there is no compiled kernel to ask;
-# for that reader, a compile made offline for sm_90 with Triton 3.6 and 3.9, in fp32 and bf16 (not
-# this page's numbers) used 42 to 48, 54 to 56 and 64 registers per thread for those three lengths,
-# and spilled only at 65,536 (268 to 456 bytes of spill stores per thread, as ptxas counts them).
-# The GPU's own compile below can use fewer registers than that, but it too runs out at 65,536.
+# By lesson 01's register argument (and this lesson's top), a row of 32,768 fp32 values (32 per
+# thread of 1,024) fits with room for temporaries; one of 65,536 (64 per thread) cannot. On a GPU,
+# this cell compiles the row-on-chip kernel with 32 warps for rows of 16,384, 32,768 and 65,536
+# fp32 values (launched directly, past the launcher's limit) and prints the registers and local
+# memory (spills) per thread it got, and its speed on :math:`M = 4096` rows. Without a GPU: a
+# compile made offline for sm_90 with Triton 3.6 and 3.9, in fp32 and bf16 (not this page's
+# numbers), used 42 to 48, 54 to 56 and 64 registers per thread for those lengths and spilled only
+# at 65,536 (268 to 456 bytes of spill stores per thread, as ptxas counts them). The GPU's own
+# compile can use fewer registers, but it too runs out at 65,536.
 
 if __name__ == "__main__" and ON_GPU:
     for block_n in (16384, 32768, 65536):
@@ -760,25 +718,23 @@ elif __name__ == "__main__":
 # %%
 # Exercises
 # ---------
-# Each exercise comes with a check: pass it your function and it runs it on fresh random inputs of
-# irregular shapes, compares with a float64 reference with ``torch.testing.assert_close`` (so
-# ``NaN`` fails), and either raises ``AssertionError`` saying what is wrong or prints one line
-# saying the function passed. Solutions are not given here.
+# Each exercise has a check that runs your function on fresh random inputs of irregular shapes
+# against a float64 reference with ``torch.testing.assert_close`` (so ``NaN`` fails), then raises
+# ``AssertionError`` saying what is wrong or prints one line saying it passed. No solutions here.
 #
-# 1. **Two loops, one state per row.** ``three_pass_kernel`` walks each row three times. Turn it
-#    into a kernel with two loops: the first keeps a single running :math:`(m, d)` for the row and
-#    merges each chunk's own maximum and sum into it with the combine step (one state per row, not
-#    one per lane as in ``online_softmax_kernel``); the second writes the output. Write
-#    ``two_loop_softmax(x, block_n)`` around it and run ``check_two_loop_softmax(two_loop_softmax)``.
-#    It uses chunks of 16 elements, so the loops run many times, and rows whose whole first chunk is
-#    ``-inf``: mind the trap of the online softmax.
+# 1. **Two loops, one state per row.** Turn ``three_pass_kernel`` into two loops: the first keeps
+#    one running :math:`(m, d)` per row (not per lane as in ``online_softmax_kernel``), merging each
+#    chunk's own maximum and sum into it with the combine step; the second writes the output. Wrap
+#    it in ``two_loop_softmax(x, block_n)`` and run ``check_two_loop_softmax(two_loop_softmax)``:
+#    its 16-element chunks make the loops run many times, and some rows' whole first chunk is
+#    ``-inf`` (mind the online softmax's trap).
 # 2. **The decoding combine.** A split-K (flash-decoding) attention kernel leaves, for each of
-#    :math:`M` rows, :math:`S` partial states :math:`(m_s, d_s, \mathit{acc}_s)`, where
-#    :math:`\mathit{acc}_s = \sum e^{x - m_s} v` is a vector of length :math:`D` over the keys of
-#    split :math:`s`. Write ``merge_partials(m, d, acc)`` as a Triton kernel: ``m`` and ``d`` are
-#    (M, S) fp32, ``acc`` is (M, S, D) fp32 with any strides, and the result is the (M, D) fp32
-#    output :math:`\sum_s e^{m_s - m} \mathit{acc}_s / \sum_s e^{m_s - m} d_s`. Some splits saw only
-#    masked keys: :math:`m_s = -\infty`, :math:`d_s = 0`, :math:`\mathit{acc}_s = 0`. Check it with
+#    :math:`M` rows, :math:`S` partial states :math:`(m_s, d_s, \mathit{acc}_s)`, with
+#    :math:`\mathit{acc}_s = \sum e^{x - m_s} v` of length :math:`D` over split :math:`s`'s keys.
+#    Write ``merge_partials(m, d, acc)`` as a Triton kernel: ``m`` and ``d`` are (M, S) fp32,
+#    ``acc`` is (M, S, D) fp32 with any strides, and the result is the (M, D) fp32 output
+#    :math:`\sum_s e^{m_s - m} \mathit{acc}_s / \sum_s e^{m_s - m} d_s`. Splits that saw only masked
+#    keys have :math:`m_s = -\infty`, :math:`d_s = 0`, :math:`\mathit{acc}_s = 0`. Check with
 #    ``check_merge_partials(merge_partials)``.
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
