@@ -2,31 +2,29 @@
 Fused attention v1: the FlashAttention-1 algorithm
 ==================================================
 
-Attention, :math:`O = \\mathrm{softmax}(QK^T \\cdot s)\\,V`, computed without ever writing the
-:math:`N \\times N` matrix of scores to memory, as FlashAttention (Dao et al., 2022) first did. That
-first algorithm, which Triton's 2022 tutorial taught, is the step from lesson 02's online softmax to
-FlashAttention-2 in the next lesson: this lesson keeps it alive on purpose.
+Attention, :math:`O = \\mathrm{softmax}(QK^T \\cdot s)\\,V`, computed without ever writing the :math:`N \\times N`
+matrix of scores to memory, as FlashAttention (Dao et al., 2022) first did. That algorithm, taught by Triton's 2022
+tutorial, is the step from lesson 02's online softmax to FlashAttention-2 (next lesson), kept alive here on purpose.
 
 You will learn:
 
-* how the online softmax becomes an online *softmax-weighted sum*, for one query row, then for a
-  block of rows with matrix multiplications;
-* the FlashAttention-1 forward: running maximum :math:`m` and sum :math:`\\ell` kept apart, the
-  output rescaled at every step, the statistics saved for the backward;
-* its backward: a preprocess, one program per (batch, head) walking the key blocks, :math:`dQ`
-  accumulated in fp32 through memory; why it divides :math:`dO` by :math:`\\ell` first (derived),
-  what that costs in fp16, and why it is slow (measured: how many programs an SM needs);
+* how the online softmax becomes an online *softmax-weighted sum*, for one query row, then for a block of rows with
+  matrix multiplications;
+* the FlashAttention-1 forward: running maximum :math:`m` and sum :math:`\\ell` kept apart, the output rescaled at
+  every step, the statistics saved for the backward;
+* its backward: a preprocess, one program per (batch, head) walking the key blocks, :math:`dQ` accumulated in fp32
+  through memory; why it divides :math:`dO` by :math:`\\ell` first (derived), what that costs in fp16, and why it is
+  slow (measured: how many programs an SM needs);
 * what the 2022 code needed that today's Triton no longer has, and what replaces it;
-* how to benchmark attention honestly: FLOPs, forward and backward timed apart, every SDPA backend
-  beside it, repeated timings, the matrix-multiply rate as the ceiling. The later attention
-  lessons load this file, when it sits next to them, for this benchmark and its checks.
+* how to benchmark attention honestly: FLOPs, forward and backward timed apart, every SDPA backend beside it,
+  repeated timings, the matrix-multiply rate as the ceiling. The later attention lessons load this file, when it
+  sits next to them, for this benchmark and its checks.
 """
 
 # %%
 # Where the kernels run
 # ---------------------
-# A CUDA GPU when there is one, otherwise the Triton interpreter on the CPU, switched on before the
-# first ``@triton.jit``.
+# A CUDA GPU if there is one, else the Triton interpreter on the CPU, switched on before the first ``@triton.jit``.
 
 import functools
 import itertools
@@ -50,11 +48,10 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 # %%
 # One query row, one key at a time
 # --------------------------------
-# For one query row :math:`q`, attention is a weighted average of the value rows :math:`v_j`, with
-# weights :math:`\mathrm{softmax}_j(s_j)` where :math:`s_j = q \cdot k_j \cdot \mathrm{scale}`. The
-# online softmax of lesson 02 kept a running maximum :math:`m` and a running sum :math:`\ell`
-# rescaled whenever :math:`m` grows. The weighted sum :math:`a = \sum_j e^{s_j - m} v_j` is rescaled
-# by the same factor, so one loop over the keys computes everything:
+# For a query row :math:`q`, attention averages the value rows :math:`v_j` with weights
+# :math:`\mathrm{softmax}_j(s_j)`, :math:`s_j = q \cdot k_j \cdot \mathrm{scale}`. Lesson 02's online softmax
+# rescales its running sum :math:`\ell` whenever the running maximum :math:`m` grows; the weighted sum
+# :math:`a = \sum_j e^{s_j - m} v_j` takes the same factor, so one loop over the keys computes everything:
 #
 # .. math::
 #
@@ -62,8 +59,6 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 #    \ell' &= \ell\, e^{m - m'} + e^{s_j - m'}, \\
 #    a' &= a\, e^{m - m'} + e^{s_j - m'}\, v_j, \\
 #    o &= a / \ell \quad \text{(after the last key).}
-#
-# In plain Python:
 
 
 def one_row_attention(q, k, v, scale):
@@ -88,29 +83,23 @@ if __name__ == "__main__":
 # %%
 # From rows to blocks
 # -------------------
-# A GPU wants matrix multiplications, not dot products. Take ``BLOCK_M`` query rows at once and
-# ``BLOCK_N`` keys per step: the scores become a ``BLOCK_M x BLOCK_N`` tile :math:`S = Q_i K_j^T`,
-# the maximum and sum are taken along its rows, and :math:`e^{S - m} V_j` is a second matrix
-# multiplication. Nothing larger than a tile ever exists.
+# A GPU wants matrix multiplications, not dot products: with ``BLOCK_M`` query rows and ``BLOCK_N`` keys per step,
+# scores form a ``BLOCK_M x BLOCK_N`` tile :math:`S = Q_i K_j^T`, maximum and sum run along its rows, and a second
+# matrix product gives :math:`e^{S - m} V_j`. Nothing larger than a tile exists. Any sequence length works: key
+# columns past :math:`N` score :math:`-\infty` (weight 0), query rows past :math:`N` are computed on zeros, never
+# stored. With ``CAUSAL``, query :math:`i` sees only keys :math:`j \le i`: query blocks stop at the diagonal.
 #
-# FlashAttention-1 keeps the output *normalized*: after each key block the accumulator holds
-# :math:`o = a / \ell` for the keys seen so far. Each step multiplies the accumulator by
-# :math:`\ell e^{m - m'} / \ell'` and the new tile of probabilities by :math:`e^{m_{ij} - m'} / \ell'`:
-# two divisions per row and two extra multiplications per element, every step, which
-# FlashAttention-2 removed by normalizing once at the end. v1 saves :math:`\ell` and :math:`m` per
-# row for the backward.
-#
-# Any sequence length works: key columns past :math:`N` score :math:`-\infty` (weight 0), and query
-# rows past :math:`N` are computed on zeros and never stored. With ``CAUSAL``, query :math:`i` sees
-# only keys :math:`j \le i`, so a query block stops at the diagonal.
+# FlashAttention-1 keeps the output *normalized*, :math:`o = a / \ell` over the keys so far: each step multiplies it
+# by :math:`\ell e^{m - m'} / \ell'` and the new probability tile by :math:`e^{m_{ij} - m'} / \ell'`, two divisions
+# per row and two extra multiplications per element that FlashAttention-2 removed by normalizing once at the end. v1
+# saves :math:`\ell` and :math:`m` per row for the backward.
 
 
 @triton.jit
 def attn_fwd_v1_kernel(
     Q, K, V, O, L, Mx, sm_scale, H, N,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     start_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # b * stride can pass 2**31 elements
@@ -165,21 +154,19 @@ def attn_fwd_v1_kernel(
 # * :math:`O = PV` gives :math:`dV = P^T dO` and :math:`dP = dO\,V^T`.
 # * For one row, softmax's Jacobian is :math:`\partial p_j/\partial s_k = p_j(\delta_{jk} - p_k)`, so
 #   :math:`dS = P \circ (dP - \Delta)` with :math:`\Delta_i = \sum_j P_{ij}\,dP_{ij}`, and since
-#   :math:`dP_{ij} = dO_i \cdot v_j`, :math:`\Delta_i = dO_i \cdot \sum_j P_{ij} v_j = dO_i \cdot O_i`:
-#   one dot product of two stored rows.
+#   :math:`dP_{ij} = dO_i \cdot v_j`, :math:`\Delta_i = dO_i \cdot \sum_j P_{ij} v_j = dO_i \cdot O_i`: one dot
+#   product of two stored rows.
 # * :math:`S = s\,QK^T` gives :math:`dQ = s\,dS\,K` and :math:`dK = s\,dS^T Q`.
 #
-# Only :math:`m` and :math:`\ell` were saved, so the backward recomputes each tile of :math:`P`.
-# :math:`e^{S - m}` is cheap; dividing it by :math:`\ell` row by row at every tile is not, so the
-# 2022 kernel moves the division out of the loop. Row :math:`i` of :math:`e^{S-m}` is
-# :math:`\ell_i P_i`; divide row :math:`i` of :math:`dO` by :math:`\ell_i` first, and
-# :math:`dV = \sum_i (\ell_i P_i)^T (dO_i / \ell_i)` is unchanged, :math:`dP` and :math:`\Delta`
-# (linear in :math:`dO`) come out divided by :math:`\ell_i`, and
-# :math:`(\ell_i P_i) \circ (dP_i - \Delta_i)/\ell_i` is the same :math:`dS`. So a *preprocess*
-# divides :math:`dO` by :math:`\ell` and computes :math:`\Delta` from it, once per row. Then one
-# program per (batch, head) walks the key blocks, each over every query block: :math:`dK` and
-# :math:`dV` accumulate in registers, :math:`dQ` in an fp32 buffer in memory, read and written
-# again for every key block (how well that uses a GPU is measured after the benchmark).
+# Only :math:`m` and :math:`\ell` were saved, so the backward recomputes each tile of :math:`P`: :math:`e^{S - m}`
+# is cheap, dividing by :math:`\ell` row by row at every tile is not, so the 2022 kernel moves the division out of
+# the loop. Row :math:`i` of :math:`e^{S-m}` is :math:`\ell_i P_i`; divide row :math:`i` of :math:`dO` by
+# :math:`\ell_i` first, and :math:`dV = \sum_i (\ell_i P_i)^T (dO_i / \ell_i)` is unchanged, :math:`dP` and
+# :math:`\Delta` (linear in :math:`dO`) come out divided by :math:`\ell_i`, and
+# :math:`(\ell_i P_i) \circ (dP_i - \Delta_i)/\ell_i` is the same :math:`dS`. So a *preprocess* divides :math:`dO`
+# by :math:`\ell` and computes :math:`\Delta` from it, once per row; then one program per (batch, head) walks the
+# key blocks, each over every query block: :math:`dK` and :math:`dV` accumulate in registers, :math:`dQ` in an fp32
+# buffer in memory, read and written again per key block (how well that uses a GPU is measured after the benchmark).
 
 
 @triton.jit
@@ -205,8 +192,7 @@ def attn_bwd_preprocess_v1_kernel(O, DO, L, DO_SCALED, DELTA, H, N,
 def attn_bwd_v1_kernel(
     Q, K, V, DO_SCALED, DQ, DK, DV, Mx, DELTA, sm_scale, H, N,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     bh = tl.program_id(0).to(tl.int64)  # b * stride can pass 2**31 elements
     b, h = bh // H, bh % H
@@ -252,27 +238,23 @@ def attn_bwd_v1_kernel(
 # %%
 # What changed since 2022
 # -----------------------
-# The 2022 tutorial no longer runs. ``tl.dot(q, k, trans_b=True)`` is now
-# ``tl.dot(q, tl.trans(k))``. Its scratch buffer ``TMP``, stored and reloaded to dodge a compiler
-# bug long since fixed, is gone. It built its 2-D blocks of pointers by hand, as here. Later versions
-# of the tutorial moved to ``tl.make_block_ptr``, which runs in Triton 3.6 but raises
-# ``NotImplementedError`` in 3.9; this port keeps plain pointer arithmetic, which both run.
-# ``triton.testing.assert_almost_equal`` is gone (``torch.testing.assert_close`` replaces it), and
-# ``do_bench`` takes ``quantiles=`` or ``return_mode=`` where it took ``percentiles=``. Its backward
-# needed the sequence length to be a multiple of the block size; the masks above remove that limit.
-#
-# One pitfall is new: Triton 3.9's interpreter stores bf16 values as 16-bit integers and multiplies
-# them as integers inside ``tl.dot``, giving nonsense. So the kernels take an ``UPCAST_DOT`` flag,
-# set only for bf16 under the interpreter, that converts the operands to fp32 first.
+# The 2022 tutorial no longer runs. ``tl.dot(q, k, trans_b=True)`` is now ``tl.dot(q, tl.trans(k))``; its scratch
+# buffer ``TMP``, stored and reloaded to dodge a long-fixed compiler bug, is gone. It built its 2-D blocks of
+# pointers by hand, as here; later versions moved to ``tl.make_block_ptr``, which runs in Triton 3.6 but raises
+# ``NotImplementedError`` in 3.9, so this port keeps plain pointer arithmetic, which both run.
+# ``triton.testing.assert_almost_equal`` gave way to ``torch.testing.assert_close``, and ``do_bench``'s
+# ``percentiles=`` to ``quantiles=`` or ``return_mode=``. Its backward needed the sequence length to be a multiple
+# of the block size; the masks above lift that limit. One pitfall is new: Triton 3.9's interpreter stores bf16
+# values as 16-bit integers and multiplies them as integers inside ``tl.dot``, giving nonsense, so the kernels take
+# an ``UPCAST_DOT`` flag, set only for bf16 under the interpreter, that converts the operands to fp32 first.
 #
 # The autograd wrapper
 # --------------------
-# ``attention(q, k, v, causal, sm_scale)`` takes (batch, heads, sequence, head dim) tensors with any
-# strides, checks them (``check_inputs``, which every later attention lesson calls too), and returns
-# a tensor PyTorch can differentiate. :math:`dO` reaches the backward straight from the caller's
-# ``loss.backward()``, unchecked, so ``resolved_gradient`` resolves a negative view and copies a
-# layout too wide for 32-bit offsets. The backward is ``once_differentiable``, as in the softmax
-# lessons: a second derivative (a gradient penalty, say) raises an error instead of coming out wrong.
+# ``attention(q, k, v, causal, sm_scale)`` checks (batch, heads, sequence, head dim) tensors of any strides
+# (``check_inputs``, which every later attention lesson calls too) and returns a tensor PyTorch can differentiate.
+# :math:`dO` comes unchecked from the caller's ``loss.backward()``, so ``resolved_gradient`` resolves a negative
+# view and copies a layout too wide for 32-bit offsets. As in the softmax lessons, the backward is
+# ``once_differentiable``: a second derivative (a gradient penalty, say) raises an error, not a wrong result.
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIMS = (16, 32, 64, 128)
@@ -414,10 +396,9 @@ def attention(q, k, v, causal, sm_scale):
 # %%
 # Correctness
 # -----------
-# Forward and backward against float64 PyTorch on fresh random inputs, causal and not, at a sequence
-# length that is not a multiple of the block size; the later attention lessons use this check too.
-# It fails on NaN or infinity anywhere: it tests ``error < tolerance``, false for NaN, never
-# ``max(errors) < tolerance`` (Python's ``max`` skips a NaN that is not first).
+# Forward and backward against float64 PyTorch on fresh random inputs, causal and not, at a length not a multiple of
+# the block size (later attention lessons use it too). It fails on NaN or infinity anywhere: ``error < tolerance``
+# is false for NaN, and it never tests ``max(errors) < tolerance`` (Python's ``max`` skips a NaN that is not first).
 
 
 def reference_attention(q, k, v, causal, sm_scale):
@@ -470,15 +451,13 @@ if __name__ == "__main__":
 # %%
 # The price of dividing :math:`dO` by :math:`\ell` first
 # ------------------------------------------------------
-# The preprocess stores :math:`dO / \ell` in the input's dtype, and :math:`\ell` can be as large as
-# :math:`N`: attention spread evenly over 1,024 keys divides each row of :math:`dO` by about 1,024,
-# ten binades (factors of two). A gradient small to begin with lands among fp16's *subnormal*
-# numbers (below :math:`6 \cdot 10^{-5}`), which carry fewer significant bits the smaller they are:
-# the identity derived above is exact, the stored tensor is not. Below, :math:`N = 1024` with
-# near-uniform attention (small queries), and a :math:`dO` of order 1 or of order :math:`10^{-4}`
-# (a loss scaled down or averaged over many tokens). :math:`dV`'s error is taken relative to its own
-# largest value, not, as the check above does, to the larger of that value and 1: a floor of 1 would
-# hide the error at this scale.
+# The preprocess stores :math:`dO / \ell` in the input's dtype, and :math:`\ell` can reach :math:`N`: attention
+# spread evenly over 1,024 keys divides each row of :math:`dO` by about 1,024, ten binades (factors of two). A
+# gradient already small lands among fp16's *subnormal* numbers (below :math:`6 \cdot 10^{-5}`), which carry fewer
+# significant bits the smaller they are: the identity above is exact, the stored tensor is not. Below: near-uniform
+# attention (small queries) at :math:`N = 1024`, :math:`dO` of order 1 or :math:`10^{-4}` (a loss scaled down or
+# averaged over many tokens), and :math:`dV`'s error relative to its own largest value, not floored at 1 as in the
+# check above, which would hide the error at this scale.
 
 if __name__ == "__main__":
     torch.manual_seed(0)
@@ -496,26 +475,22 @@ if __name__ == "__main__":
     print(f"The small gradient's dV is {dv_errors[1e-4] / dv_errors[1.0]:.0f}x as far off as the large one's.")
 
 # %%
-# FlashAttention-2's backward (lesson 06) does not divide :math:`dO`: it recomputes :math:`P` already
-# normalized from the saved log-sum-exp. Its :math:`dV`, itself this small, loses a few bits but
-# stays within its tests' fp16 tolerance in this same case. Its :math:`dQ` and :math:`dK` do not
-# escape: like Triton's own tutorial, it rounds :math:`dS = P \circ (dP - \Delta)` to fp16 for the
-# tensor cores, and with :math:`P` near :math:`1/1024` and :math:`dP - \Delta` of the order of
-# :math:`dO`, :math:`dS` is subnormal too. This is why fp16 training scales its loss up
-# (``torch.amp.GradScaler``), and one reason to train in bf16, which has fp32's exponent range and so
-# no subnormals at these magnitudes.
+# FlashAttention-2's backward (lesson 06) does not divide :math:`dO`: it recomputes :math:`P` already normalized
+# from the saved log-sum-exp, and its :math:`dV`, itself this small, loses a few bits but stays within its tests'
+# fp16 tolerance in this case. Its :math:`dQ` and :math:`dK` do not escape: like Triton's own tutorial, it rounds
+# :math:`dS = P \circ (dP - \Delta)` to fp16 for the tensor cores, and with :math:`P` near :math:`1/1024` and
+# :math:`dP - \Delta` the size of :math:`dO`, :math:`dS` is subnormal too. Hence fp16 training's loss scaling
+# (``torch.amp.GradScaler``), and one reason to train in bf16 (fp32's exponent range: no subnormals at this scale).
 
 # %%
 # Benchmark
 # ---------
-# TFLOP/s of the forward and the backward, on a GPU at :math:`B = 4`, :math:`H = 32`, :math:`D = 64`
-# (under the interpreter at :math:`B = 1`, :math:`H = 2` and two short sequences), beside each
-# backend of PyTorch's ``scaled_dot_product_attention`` that runs here. The forward does
-# :math:`4BHN^2D` floating-point operations (two matrix products), half that when causal; the
-# backward 2.5 times as many (five). The ceiling is the device's fp16 matrix-multiply rate, measured
-# now after a second of multiplying, at the clocks a GPU keeps under load (``matmul_tflops`` says
-# why); under the interpreter, PyTorch's fp32 one on the CPU. Every attention lesson uses the
-# harness below.
+# TFLOP/s of forward and backward beside each backend of PyTorch's ``scaled_dot_product_attention`` that runs here,
+# on a GPU at :math:`B = 4`, :math:`H = 32`, :math:`D = 64` (under the interpreter at :math:`B = 1`, :math:`H = 2`
+# and two short sequences). The forward does :math:`4BHN^2D` floating-point operations (two matrix products), half
+# that when causal; the backward 2.5 times as many (five). The ceiling is the device's fp16 matrix-multiply rate
+# measured now, at the clocks a GPU keeps under load (``matmul_tflops`` says why); under the interpreter, PyTorch's
+# fp32 one on the CPU, which multiplies fp16 slowly. Every attention lesson uses the harness below.
 
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.nn.functional import scaled_dot_product_attention  # noqa: E402
@@ -560,13 +535,11 @@ def bench_ms(fn):
     return 1e3 * min(times)
 
 
-# Triton compiles a kernel when a launch meets a new specialization of it (a configuration, a dtype,
-# an integer that is or is not a multiple of 16), one after another on one CPU core: 8 s of lesson
-# 04, 41 s of lessons 05 and 06 (one lesson when measured) and 78 s of lesson 07 in a cold run on an
-# H100's host (this site's engineering notes, 2026-11-26). Launches that only *warm up* a kernel can
-# compile on a pool of threads (``AsyncCompileMode``, internal in Triton 3.6 and 3.9). So the
-# harness first calls everything it will time once, each ``launch`` only compiling; a failure is
-# left for the timed call.
+# Triton compiles a kernel for each new specialization a launch meets (a configuration, a dtype, whether an integer
+# is a multiple of 16), one at a time on one CPU core: 8 s of lesson 04, 41 s of lessons 05 and 06 (one lesson when
+# measured) and 78 s of lesson 07 in a cold run on an H100 host (engineering notes, 2026-11-26). Launches that only
+# *warm up* a kernel can compile on a pool of threads (``AsyncCompileMode``, internal in Triton 3.6 and 3.9), so the
+# harness first calls everything it will time once, ``launch`` only compiling; failures are left to the timed call.
 
 
 def compile_ahead(calls):
@@ -594,7 +567,6 @@ def compile_ahead(calls):
     return kernels, time.perf_counter() - start
 
 
-# Under the interpreter the ceiling is PyTorch's fp32 matmul on the CPU, which multiplies fp16 slowly.
 CEILING_NAME = "fp16 matmul rate" if ON_GPU else "fp32 matmul rate on the CPU"
 
 
@@ -653,22 +625,20 @@ def backward_ms(fn, q, k, v):
     return bench_ms(backward_call(fn, q, k, v))
 
 
-# A GPU's speed drifts as it runs (its clocks follow its temperature and power draw): one kernel timed
-# several times in a row can differ by several percent, enough to reorder two close providers. And a
-# disturbance, most often the host at the shortest lengths, where it paces the GPU, can last a second
-# or more: in an H100 probe (2026-11-26, N = 1024) the two back-to-back timings of one provider came
-# out 20% slow together and agreed. So on a GPU every provider is timed ROUNDS times, in passes over
-# all the cases, in alternating order, so that its timings of one case lie seconds apart; it keeps its
-# fastest, and the page prints how far the timings spread. A provider whose two fastest timings differ
-# by more than AGREE is timed again, one more timing per further pass, up to MAX_TIMINGS in all.
+# A GPU's speed drifts as its clocks follow temperature and power draw: a kernel's back-to-back timings can differ
+# by several percent, enough to reorder two close providers. A disturbance, most often the host pacing the GPU at
+# the shortest lengths, can last a second or more: in an H100 probe (2026-11-26, N = 1024) a provider's two
+# back-to-back timings came out 20% slow together and agreed. So on a GPU every provider is timed ROUNDS times, in
+# passes over all cases in alternating order, its timings of one case seconds apart; it keeps its fastest, and the
+# page prints how far they spread. A provider whose two fastest differ by more than AGREE gets one more timing per
+# further pass, up to MAX_TIMINGS in all.
 ROUNDS = 2 if ON_GPU else 1
 AGREE, MAX_TIMINGS = 0.25, 4
 
 
 def measure_in_passes(timing_cases):
     """{(case, (provider, mode)): [ms, ...]}, timed as the comment above ROUNDS says, in passes over what
-    timing_cases() yields: (case, label, {(provider, mode): timer}). A provider that fails in a case is
-    left out of that case."""
+    timing_cases() yields: (case, label, {(provider, mode): timer}); a provider failing in a case is left out of it."""
     times, failed = {}, set()
 
     def one_pass(reverse, wanted):
@@ -847,13 +817,12 @@ if __name__ == "__main__":
 # %%
 # Why the backward is slow: how many programs an SM needs
 # -------------------------------------------------------
-# At the GPU benchmark's :math:`B \cdot H = 128` the backward launches 128 programs, nearly one per
-# SM on a GPU with 132, so the GPU does not idle for lack of programs; each SM idles within its one
-# program, whose 4 warps walk the key blocks one after another: while they wait for a load or for
-# the tensor cores, no other program can use that SM. Below, :math:`N` stays fixed and
-# :math:`B \cdot H` is one, two, four and eight times the SM count. If the rate grows with programs
-# per SM, the kernel is latency-bound, and the fix is more, smaller independent pieces of work per
-# SM: FlashAttention-2's backward, one program per *key block*.
+# At the GPU benchmark's :math:`B \cdot H = 128`, the backward's 128 programs are nearly one per SM on a GPU with
+# 132: the GPU does not idle for lack of programs, but each SM idles inside its one program, whose 4 warps walk the
+# key blocks in turn: while they wait for a load or the tensor cores, no other program can use the SM. Below,
+# :math:`N` is fixed and :math:`B \cdot H` is 1, 2, 4 and 8 times the SM count. If the rate grows with programs per
+# SM, the kernel is latency-bound, and the fix is more, smaller, independent programs: FlashAttention-2's backward,
+# one program per *key block*.
 
 if __name__ == "__main__" and ON_GPU:
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
@@ -878,20 +847,17 @@ elif __name__ == "__main__":
 # %%
 # Exercises
 # ---------
-# 1. **Normalized at every step.** ``one_row_attention`` keeps the unnormalized :math:`a`, as
-#    FlashAttention-2 does. Write ``running_attention(q, k, v, scale)`` for one query row that keeps
-#    only the normalized output :math:`o`, as FlashAttention-1 does (see "From rows to blocks"),
-#    updated key by key with the factors :math:`\ell e^{m - m'} / \ell'` and
-#    :math:`e^{s_j - m'} / \ell'`. It returns an ``(n, d)`` tensor whose row :math:`j` is :math:`o`
-#    after key :math:`j`. Then run ``check_running_attention(running_attention)``: it tries 20 random
-#    rows, some with a score of 1,000 (past what :math:`e^s` can hold even in float64), and allows
-#    for float32's rounding.
-#    (It compares outputs only: it cannot tell which update produced them.)
-# 2. **Merge two partial states.** Split the keys of one query row in two parts, anywhere; each
-#    gives a state :math:`(m, \ell, a)` as above. Write ``merge(state1, state2)`` returning the state
-#    of all the keys: its maximum, and its sum and unnormalized output relative to that maximum, so
-#    that it can be merged again and ``a / l`` is the row's output; then ``check_merge(merge)``.
-#    (This is the combine step of lesson 02, and of decoding kernels that split the keys.)
+# 1. **Normalized at every step.** ``one_row_attention`` keeps the unnormalized :math:`a`, as FlashAttention-2 does.
+#    Write ``running_attention(q, k, v, scale)`` for one query row that keeps only the normalized output :math:`o`,
+#    as FlashAttention-1 does (see "From rows to blocks"), updated key by key with the factors
+#    :math:`\ell e^{m - m'} / \ell'` and :math:`e^{s_j - m'} / \ell'`, and returns an ``(n, d)`` tensor whose row
+#    :math:`j` is :math:`o` after key :math:`j`. Then run ``check_running_attention(running_attention)``: it tries
+#    20 random rows, some with a score of 1,000 (past what :math:`e^s` can hold even in float64), allows for
+#    float32's rounding, and compares outputs only, so it cannot tell which update produced them.
+# 2. **Merge two partial states.** Split one query row's keys in two, anywhere; each gives a state
+#    :math:`(m, \ell, a)` as above. Write ``merge(state1, state2)`` returning the state of all keys (their maximum,
+#    and sum and unnormalized output relative to it, so it can be merged again and ``a / l`` is the row's output),
+#    then ``check_merge(merge)``: the combine step of lesson 02, and of decoding kernels that split the keys.
 
 
 def check_running_attention(fn):
