@@ -2,11 +2,10 @@
 Hopper I: a warp-specialized forward in Gluon
 =============================================
 
-The portable FlashAttention-2 forward of lesson 05 has every warp do everything in turn.
-FlashAttention-3 (Shah et al., 2024) gives the warps of a program *roles* instead: one warp only
-loads, two groups of warps only compute, and their matrix products run while the exponentials of
-the next block are being computed. This lesson writes that forward for Hopper GPUs (H100, H200) in
-Gluon, Triton's lower-level language, and measures it beside the portable kernel and cuDNN.
+Lesson 05's portable FlashAttention-2 forward has every warp do everything in turn. FlashAttention-3
+(Shah et al., 2024) gives a program's warps *roles*: one warp only loads, two warp groups only compute,
+their matrix products overlapping the next block's exponentials. Here it is written for Hopper
+(H100, H200) in Gluon, Triton's lower-level language, and measured beside the portable kernel and cuDNN.
 
 You will learn:
 
@@ -15,20 +14,15 @@ You will learn:
   TMA copies, mbarriers, asynchronous ``warpgroup_mma`` and ``warp_specialize``;
 * how a ring of buffers and its mbarrier *phases* work, with a picture of who waits for what;
 * how registers move between warps with ``setmaxnreg``;
-* why the kernel runs one program per SM that walks tile after tile, and how pairs of causal tiles
-  keep such programs evenly loaded;
+* why one program per SM walks tile after tile, and how causal tiles in pairs keep programs evenly loaded;
 * why fp8 needs V stored with the keys contiguous on Hopper, and what fp8 buys;
-* how ``attention`` picks the Gluon or the portable forward for each case, from a table measured
-  once per GPU.
+* how ``attention`` picks the Gluon or portable forward per case, from a table measured once per GPU.
 
-Lesson 08 takes this forward's calls apart into host time and GPU time, and measures what one
-program per SM buys.
-
-It needs ``04-fused-attention-v1.py``, ``05-fused-attention-v2-forward.py`` and
-``06-fused-attention-v2-backward.py`` next to it (the site's zip of all lessons has them) for lesson
-06's backward and the earlier lessons' checks and benchmark helpers. Where Gluon cannot run (a CPU, a
-GPU other than Hopper) it runs lesson 05's portable forward: the page still shows the design and that
-kernel's numbers, and says why the Gluon kernel did not run.
+Lesson 08 splits this forward's calls into host and GPU time, and measures what one program per SM buys.
+This lesson needs ``04-fused-attention-v1.py`` to ``06-fused-attention-v2-backward.py`` next to it (the
+site's zip of all lessons has them) for lesson 06's backward and the earlier lessons' checks and
+benchmark helpers. Where Gluon cannot run (a CPU, a GPU other than Hopper) it runs lesson 05's portable
+forward: the page still shows the design and that kernel's numbers, and says why Gluon did not run.
 """
 
 # %%
@@ -45,7 +39,6 @@ import torch
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
-
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
@@ -93,27 +86,23 @@ V2_BWD = load_sibling("06-fused-attention-v2-backward")
 # %%
 # Who waits for whom in the portable forward
 # ------------------------------------------
-# In the portable kernel all 4 or 8 warps of a program walk the key blocks doing everything in turn:
-# issue the next key block's loads, wait for :math:`S = QK_j^T` on the tensor cores, compute the
-# exponentials on the ordinary cores while the tensor cores idle, wait for :math:`O \mathrel{+}= P_j V_j`.
-# Triton pipelines the loads and overlaps some of this on its own, but the shape stays "all warps, one
-# step at a time". cuDNN and FlashAttention-3 give the warps roles instead:
+# In the portable kernel a program's 4 or 8 warps do everything in turn per key block: issue the next
+# loads, wait for :math:`S = QK_j^T` on the tensor cores, compute exponentials on the ordinary cores
+# (tensor cores idle), wait for :math:`O \mathrel{+}= P_j V_j`. Triton pipelines loads and overlaps some
+# of this, but it stays "all warps, one step at a time". cuDNN and FlashAttention-3 assign roles:
 #
 # * **A producer warp** only issues bulk asynchronous copies (Hopper's Tensor Memory Accelerator, TMA)
-#   of K and V tiles into a ring of shared-memory buffers. Each buffer has two *mbarriers*, counters in
-#   shared memory that the hardware completes: "full" when the copy has landed, "empty" when every
-#   consumer is done with the tile and the producer may refill it.
+#   of K and V tiles into a ring of shared-memory buffers, each with two *mbarriers* (shared-memory
+#   counters the hardware completes): "full" once the copy lands, "empty" once all consumers are done.
 # * **Two consumer warp groups** (4 warps, 128 threads each) own 64 query rows each and never load:
 #   while one computes exponentials, the other's matrix products can run.
-# * **Registers move to where the work is.** The loader, one of the 4 + 4 + 1 = 9 warps, needs few:
-#   ``setmaxnreg`` lets it keep 24 per thread and hand the rest over, so that each consumer thread may
-#   hold up to 240, which its :math:`S` and :math:`O` tiles need.
-# * **Overlap inside each consumer.** Hopper's tensor-core instruction (``wgmma``) is asynchronous: a
+# * **Registers move to the work.** ``setmaxnreg`` lets the loader (one of 4 + 4 + 1 = 9 warps) keep 24
+#   per thread, handing the rest over: up to 240 per consumer thread, for its :math:`S` and :math:`O`.
+# * **Overlap inside each consumer.** ``wgmma``, Hopper's tensor-core instruction, is asynchronous: a
 #   consumer issues :math:`S_{j+1} = QK_{j+1}^T` and :math:`O \mathrel{+}= P_j V_j`, waits only for the
-#   first, and computes block :math:`j+1`'s exponentials while :math:`P_j V_j` still runs.
+#   first, and computes block :math:`j+1`'s exponentials while :math:`P_j V_j` runs.
 #
-# The picture shows one program over its first key blocks: a schedule, not a measurement (the bars'
-# lengths are illustrative, the order of events is the kernel's).
+# The picture is a schedule, not a measurement: one program's first key blocks in the kernel's order.
 
 
 def draw_roles(blocks=4):
@@ -153,17 +142,14 @@ if __name__ == "__main__":
 # %%
 # A ring of buffers, and the phases of its barriers
 # -------------------------------------------------
-# K and V tiles travel through a ring of ``STAGES`` buffers: block :math:`j` goes into buffer
-# :math:`j \bmod \mathrm{STAGES}`, as that buffer's use number
-# :math:`\lfloor j / \mathrm{STAGES} \rfloor`, and each use completes the buffer's "full" barrier
-# once and its "empty" barrier once. An mbarrier does not count uses; it remembers only the *parity*
-# of those it has completed, its phase, and a wait names the parity it waits for. So the consumer
-# waits for "full" to reach parity :math:`\lfloor j / \mathrm{STAGES} \rfloor \bmod 2`, and the
-# loader, before refilling the buffer, waits for "empty" to show that the previous use was consumed:
-# the opposite parity. A fresh barrier counts as having completed parity 1, so the loader's first
-# wait on each buffer passes at once. ``ring_slot`` computes what the kernel computes, and the
-# picture draws it. (The kernel numbers its key blocks across all the tiles that one program
-# handles, not from zero in each: see "One program per SM" below.)
+# Block :math:`j` of K or V goes into buffer :math:`j \bmod \mathrm{STAGES}` of a ring, as its use
+# :math:`u = \lfloor j / \mathrm{STAGES} \rfloor`, completing its "full" and "empty" barriers once each.
+# An mbarrier remembers only the *parity* of its completed uses (its phase), and a wait names a parity:
+# the consumer waits for "full" to reach :math:`u \bmod 2`; the loader, before refilling, waits for
+# "empty" to show the previous use consumed, the opposite parity. A fresh barrier counts as having
+# completed parity 1, so the loader's first wait on each buffer passes at once. ``ring_slot`` computes
+# what the kernel does; the picture draws it. (The kernel numbers key blocks across a program's tiles,
+# not from zero in each: see "One program per SM".)
 
 
 def ring_slot(j, stages):
@@ -194,31 +180,25 @@ if __name__ == "__main__":
 # %%
 # Why Gluon
 # ---------
-# Triton's compiler decides for itself which warps do what, and on Hopper its automatic warp
-# specialization (``tl.range(..., warp_specialize=True)``) does not find this schedule. Gluon lets the
-# program say it: explicit layouts, shared-memory buffers, mbarriers, TMA copies, asynchronous
-# ``warpgroup_mma``, and ``warp_specialize``, which runs one function in the program's own 4 warps (the
-# first consumer) and others in extra warps (the second consumer, the loader). Three more details:
+# Triton's compiler decides which warps do what, and on Hopper its automatic warp specialization
+# (``tl.range(..., warp_specialize=True)``) does not find this schedule. Gluon lets the program say it:
+# explicit layouts, shared-memory buffers, mbarriers, TMA copies, asynchronous ``warpgroup_mma``, and
+# ``warp_specialize``, which runs one function in the program's own 4 warps (the first consumer) and
+# others in extra warps (the second consumer, the loader). Gluon is experimental: Triton 3.6's TMA copy
+# ``async_copy_global_to_shared`` is later ``async_load``, and the lesson takes whichever exists. Also:
 #
-# * TMA copies 4-D boxes (1 batch, 1 head, 64 or 128 rows, :math:`D`) out of the (B, H, N, D) tensors,
-#   whatever their strides, and fills rows past :math:`N` with zeros: any sequence length and the
-#   transposed inputs work, and only the last, ragged key block needs a mask. The price: TMA needs the
-#   last dimension contiguous and the other strides positive multiples of 16 bytes (a head broadcast
-#   with ``expand``, stride 0, does not qualify). Other inputs take the portable kernel.
-# * The tiles are fixed, with no autotuning, as the descriptors' boxes and the barriers are sized with
-#   them: 128 queries (two halves of 64) by 128 keys, 2 buffers each for K and V; at :math:`D = 128`,
-#   32 KiB of Q and 128 KiB of K and V in shared memory. (The engineering notes of this site record the
-#   other tile shapes and buffer counts that were measured.)
-# * The output leaves through a change of layout. ``warpgroup_mma``'s accumulator gives each thread
-#   pairs of adjacent values scattered over eight rows: stored straight from it, O takes 4-byte stores.
-#   Converted first to a layout in which each thread holds 8 adjacent values (16 bytes) and each warp
-#   whole rows, it takes wide, coalesced ones. In a comparison on an H100 (2026-11-23, recorded in the
-#   engineering notes, not measured by this page) that alone made this kernel 12% faster by GPU time at
-#   :math:`D = 128`, N = 1024, without a mask (462 to 517 TFLOP/s), and left long sequences unchanged:
-#   the epilogue runs once per tile, so it weighs most where a tile has few key blocks.
-#
-# Gluon is experimental and its names still move: Triton 3.6 calls the TMA copy
-# ``async_copy_global_to_shared``, later versions ``async_load``; the lesson takes whichever exists.
+# * TMA copies 4-D boxes (1 batch, 1 head, 64 or 128 rows, :math:`D`) out of (B, H, N, D) tensors of any
+#   strides, zero-filling rows past :math:`N`: any length and transposed inputs work, and only the last,
+#   ragged key block is masked. It needs the last dimension contiguous, other strides positive multiples
+#   of 16 bytes (not a head broadcast by ``expand``, stride 0); others take the portable kernel.
+# * The tiles are fixed, not autotuned, as the TMA boxes and barriers are sized with them: 128 queries
+#   (two halves of 64) by 128 keys, 2 buffers each for K and V; at :math:`D = 128`, 32 KiB of Q and
+#   128 KiB of K and V in shared memory. The engineering notes record other shapes and buffer counts.
+# * O leaves through a new layout: ``warpgroup_mma``'s accumulator gives each thread pairs of adjacent
+#   values over eight rows (4-byte stores); 8 adjacent values (16 bytes) per thread and whole rows per
+#   warp give wide, coalesced ones. On an H100 (2026-11-23, engineering notes, not this page) that alone
+#   made the kernel 12% faster by GPU time at :math:`D = 128`, N = 1024, unmasked (462 to 517 TFLOP/s),
+#   and left long sequences unchanged: once per tile, the epilogue weighs most where tiles are short.
 
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
@@ -230,24 +210,22 @@ _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_glo
 # %%
 # One program per SM
 # ------------------
-# At :math:`N = 1024` a tile of 128 queries meets only 8 key blocks, and a program that ran one tile
-# would spend much of its life starting (loading Q, waiting for the first K) and finishing (the last
-# product, the division by the row sums, the store of O), with the tensor cores idle each time. So the
-# kernel is *persistent*: it launches one program per SM, and program ``pid`` walks tiles (pairs of
-# tiles under causal masking, below) ``pid``, ``pid + programs``, and so on. Three things follow.
+# At :math:`N = 1024` a tile of 128 queries meets only 8 key blocks, so a one-tile program would spend
+# much of its life starting (loading Q, waiting for the first K) and finishing (the last product,
+# dividing by the row sums, storing O), tensor cores idle. So the kernel is *persistent*: one program
+# per SM, program ``pid`` taking tiles (causal: pairs) ``pid``, ``pid + programs``, and so on. Hence:
 #
-# * The ring runs on across tiles: the loader and the consumers count the program's key blocks
-#   (``used``), and every barrier's phase is wherever the previous tile left it.
-# * Q has barriers of its own. The consumers release Q after their last product with it, so the loader
-#   fetches the next tile's Q and first K and V while the consumers still finish the previous tile.
-# * Causal tiles differ in length: query block :math:`m` loads :math:`m + 1` key blocks, and handed out
-#   round robin, some programs would get mostly long tiles. Blocks :math:`m` and :math:`n_m - 1 - m`
-#   (of :math:`n_m`) together load :math:`n_m + 1`, so each program takes whole pairs, all of one cost
-#   (when :math:`n_m` is odd, the middle block is a pair by itself, at half the cost).
+# * The ring runs on across tiles: loader and consumers count the program's key blocks (``used``), and
+#   each barrier's phase is wherever the previous tile left it.
+# * Q has barriers of its own, released by the consumers after their last product with it: the loader
+#   fetches the next tile's Q and first K and V while they finish the previous tile.
+# * Causal query block :math:`m` loads :math:`m + 1` key blocks, so round robin would give some programs
+#   mostly long tiles. Blocks :math:`m` and :math:`n_m - 1 - m` (of :math:`n_m`) together load
+#   :math:`n_m + 1`: each program takes whole pairs, all of one cost (for odd :math:`n_m` the middle
+#   block is a pair by itself, at half the cost).
 #
-# Consecutive tiles belong to the same head, so the programs running at the same time share its K and
-# V through L2, as they did with one program per tile. Lesson 08 measures what persistence buys, with
-# this same kernel launched one program per tile.
+# Consecutive tiles share a head, so programs running at once share its K and V through L2, as with one
+# program per tile. Lesson 08 measures what persistence buys, against this kernel run one per tile.
 
 WS_HEAD_DIMS = (64, 128)
 WS_BLOCK_M, WS_BLOCK_N, WS_STAGES = 128, 128, 2
@@ -341,8 +319,7 @@ def _ws_loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_full, q_empty, 
 def _ws_consumer(HALF: gl.constexpr, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty, O,
                  LSE, qk_scale, pid, programs, n_m, BH, H, N, sob, soh, son, D: gl.constexpr, CAUSAL: gl.constexpr,
                  ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    # One warp group: wgmma's accumulator layouts for S (ROWS x BLOCK_N) and O (ROWS x D), and P
-    # as the register operand of the second product.
+    # One warp group's wgmma accumulator layouts for S (ROWS x BLOCK_N) and O (ROWS x D); P as PV's register operand.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
@@ -487,9 +464,8 @@ def _ws_box_layout(rows, D, dtype):
 
 
 class CheckedDescriptor(TensorDescriptor):
-    """A TensorDescriptor without its own checks of alignment, strides and box, which cost host time on every
-    call (lesson 08 measures a call's host time): the launchers describe only tensors that
-    warp_specialized_unsupported accepted or that they allocated, so the checks would repeat what is known."""
+    """A TensorDescriptor without its checks of alignment, strides and box, which cost host time on every call
+    (lesson 08): the launchers describe only tensors they allocated or warp_specialized_unsupported accepted."""
 
     def __post_init__(self):
         pass
@@ -524,23 +500,21 @@ def _ws_forward(q, k, v, o, lse, causal, sm_scale, programs=None):
 # %%
 # The launcher and autograd
 # -------------------------
-# Neither forward wins everywhere: the Gluon call's three TMA descriptors cost host time, and its
-# one tile shape is not the best at every head dimension and length, where the portable kernel runs
-# the tiles measured for the case. So ``attention`` follows ``FORWARD_PATHS``: the sweep that tuned
-# lesson 05's tiles (``python tools/tune.py attention``) also timed both forwards as a user calls
-# them, each as the slower of its GPU time and the host's time to enqueue one call (back to back, as
-# in training, the slower sets the pace), and recorded the faster per case. At :math:`N = 1024`,
-# where the Gluon call's host time is about its GPU time or longer (lesson 08 measures both), the
-# portable call, lighter on the host, can win with more GPU time. The sweep ran before this page's
-# build (lesson 05's ``TUNED_ON`` says on which GPU, and the comment above the table where rows were
-# measured again). This page's benchmark, which gives the host a head start (lesson 08 shows how),
-# can disagree with it at the shortest lengths, where the table counted host time that the benchmark
-# hides, and elsewhere where two paths are close: the last line under "Reading the numbers" counts
-# the cases where they agree. ``warp_specialized=None`` runs the table's path (Gluon where it can,
-# in a case the table does not cover), ``True`` insists on Gluon (an error says why when it cannot
-# run), ``False`` asks for the portable kernel. Both forwards write the same output and
-# :math:`\mathrm{LSE}_2`, so the backward is lesson 06's two-pass one either way (lesson 09 replaces
-# it on Hopper).
+# Neither forward wins everywhere: the Gluon call's three TMA descriptors cost host time, and its one
+# tile shape is not the best at every head dimension and length, where the portable kernel runs the
+# tiles measured for the case. So ``attention`` follows ``FORWARD_PATHS``, from the sweep that tuned
+# lesson 05's tiles (``python tools/tune.py attention``): it timed both forwards as a user calls them,
+# each as the slower of its GPU time and the host's time to enqueue a call (back to back, as in
+# training, the slower sets the pace), and kept the faster per case. At :math:`N = 1024` the Gluon
+# call's host time is about its GPU time or more (lesson 08 measures both), so the portable call,
+# lighter on the host, can win with more GPU time. The sweep ran before this build (on which GPU:
+# lesson 05's ``TUNED_ON``; rows measured again: the comment above the table). This page's benchmark
+# hides host time that the table counts (lesson 08 shows how), so the two can disagree at the shortest
+# lengths and where two paths are close; the last line under "Reading the numbers" counts where they
+# agree. ``warp_specialized=None`` runs the table's path (Gluon where it can, in cases the table does
+# not cover), ``True`` insists on Gluon (an error says why when it cannot run), ``False`` asks for the
+# portable kernel. Both forwards write the same output and :math:`\mathrm{LSE}_2`, so the backward is
+# lesson 06's two-pass one either way (lesson 09 replaces it on Hopper).
 
 # BEGIN tools/tune.py forward paths: written by the sweep; run it again rather than edit these lines.
 # N = 1024, 2048: tools/tune.py attention-paths, 2026-11-26, NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, Triton 3.6.0
@@ -638,33 +612,29 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     probe = torch.empty(1, 1, 8, 64, dtype=torch.float16, device=DEVICE)
     reason = warp_specialized_unsupported(probe, probe, probe)
-    print("The Gluon forward runs here." if reason is None else
-          f"The Gluon forward did not run on this machine: {reason}. The checks and timings below are of the "
-          "portable fallback (lesson 05's kernel).")
+    print("The Gluon forward runs here." if reason is None else "The Gluon forward did not run on this machine: "
+          f"{reason}. The checks and timings below are of the portable fallback (lesson 05's kernel).")
     # At this length the tables pick lesson 05's kernel in some cases (lesson 05 checks it): insist on Gluon.
     check_every_case(functools.partial(attention, warp_specialized=None if reason else True), "07-hopper-forward-gluon")
 
 # %%
 # fp8 on Hopper: the layout of V
 # -------------------------------
-# Hopper's tensor cores (and Ada's) also multiply 8-bit floats, by the datasheets at twice the fp16
-# rate (the benchmark below measures what lesson 05's kernel gets of it), and an 8-bit tile is half the
-# bytes to load. Lesson 05's portable forward takes ``float8_e5m2`` inputs as they are: ``tl.dot`` of
-# two fp8 tiles accumulates in fp32, :math:`P` is cast to V's dtype before the second product, and the
-# output is fp16. What must change is in memory. ``wgmma`` accepts an 8-bit tile from shared memory
-# only with the *reduction* axis contiguous (16-bit tiles may come either way round), and reduces over
-# at least 32 values, so head dims below 32 are refused. In :math:`QK^T` the reduction runs over the
-# head dimension, contiguous in Q and K as they are usually stored; in :math:`PV` it runs over the keys,
-# and a (B, H, N, D) tensor stores each key's D values together: the wrong way round, so the compiler
-# has to transpose every V tile on its way to the tensor cores (the engineering notes of this site
-# record what that cost on an H100).
+# Hopper's tensor cores (and Ada's) also multiply 8-bit floats, by the datasheets at twice the fp16 rate
+# (the benchmark below measures what lesson 05's kernel gets of it), and an 8-bit tile is half the bytes
+# to load. Lesson 05's portable forward takes ``float8_e5m2`` inputs as they are: ``tl.dot`` of two fp8
+# tiles accumulates in fp32, :math:`P` is cast to V's dtype before the second product, the output is
+# fp16. What must change is the layout. ``wgmma`` takes an 8-bit tile from shared memory only with the
+# *reduction* axis contiguous (16-bit tiles either way round), and reduces over at least 32 values, so
+# head dims below 32 are refused. :math:`QK^T` reduces over the head dimension, contiguous in Q and K as
+# usually stored; :math:`PV` over the keys, but a (B, H, N, D) tensor stores each key's D values
+# together, so the compiler transposes every V tile (its cost on an H100: engineering notes).
 #
-# The fix is a layout: the same V with the sequence axis contiguous. The kernel takes every stride, and
-# Triton sees from them which axis of a tile is contiguous, so it needs no change; the launcher makes
-# that copy when given another layout, and code that quantizes V to fp8 anyway can write the layout
-# during the cast at no extra cost, as ``keys_contiguous`` does below. With e5m2's two mantissa bits,
-# the check compares against float64 attention *on the same fp8 inputs*, so that it measures the kernel
-# (:math:`P` rounded to fp8 included) rather than the quantization of the inputs.
+# The fix: V with the sequence axis contiguous. The kernel takes any strides (Triton reads the
+# contiguous axis from them), so it needs no change; the launcher makes that copy when given another
+# layout, and ``keys_contiguous`` shows how code quantizing V to fp8 anyway can write the layout in the
+# cast for free. With e5m2's two mantissa bits the check compares against float64 attention *on the same
+# fp8 inputs*, to measure the kernel (:math:`P` rounded to fp8 included), not the inputs' rounding.
 
 if __name__ == "__main__":
     if V2.V1.fp8_supported():
@@ -685,12 +655,11 @@ if __name__ == "__main__":
 # %%
 # Benchmark
 # ---------
-# The forward pass in TFLOP/s at lesson 05's sizes against the portable kernel and SDPA's backends,
-# measured in this run the same way (on a GPU each provider timed twice, in two passes over the
-# cases, more often where the two disagree, the fastest kept), with the fp16 matrix-multiply rate
-# measured in this run as the ceiling (lesson 05's fp8 forward, also shown, can pass it). Under the
-# interpreter no Gluon kernel runs: lessons 05 and 06's kernels stand in for it, so the page still
-# runs, and its tables compare them with SDPA's math backend.
+# The forward in TFLOP/s at lesson 05's sizes against the portable kernel and SDPA's backends, all
+# measured in this run the same way (on a GPU each provider timed twice, in two passes over the cases,
+# more often where the two disagree, the fastest kept), with the fp16 matrix-multiply rate measured now
+# as the ceiling (lesson 05's fp8 forward, also shown, can pass it). Under the interpreter lessons 05
+# and 06's kernels stand in for Gluon's, against SDPA's math backend.
 
 WS = "Triton, warp-specialized (Gluon)"
 PORTABLE = "Triton v2 (lessons 05, 06)"
@@ -769,8 +738,7 @@ def default_forward(D, causal, N):
 
 
 def hopper_providers(q, k, v, causal, D):
-    """The Gluon forward where it runs, and lesson 05's fp8 forward on fp8 copies of the case's inputs where the
-    GPU has fp8 tensor cores."""
+    """The Gluon forward where it runs; lesson 05's fp8 forward, on fp8 copies, where the GPU has fp8 tensor cores."""
     providers = {}
     if warp_specialized_unsupported(q, k, v) is None:
         providers[WS, "fwd"] = functools.partial(attention, causal=causal, sm_scale=D ** -0.5, warp_specialized=True)
@@ -797,17 +765,16 @@ V2.results_table(results) if __name__ == "__main__" else None
 # %%
 # Reading the numbers
 # -------------------
-# Computed from the table above, in this run. Expect :math:`D = 64` to sit further below the matmul rate
-# than :math:`D = 128`, for cuDNN as for this kernel. A score costs one exponential and :math:`4D` FLOPs
-# of matrix products, and the FlashAttention-3 paper gives the H100 SXM5 989 TFLOP/s of fp16 products
-# against 3.9 T exponentials per second: about 254 FLOPs per exponential. At :math:`D = 64` (256 FLOPs
-# per score) the exponentials take as long as the products, at :math:`D = 128` half as long, so at 64
-# the speed rests on how well the two overlap. An Nsight Compute profile at :math:`N = 4096` (in the
-# engineering notes; on an H200, not in this build) found the tensor cores busy about half the time at
-# :math:`D = 64` in this kernel and cuDNN's alike, and at :math:`D = 128` 76% to 79% of the time (ours)
-# against 70% to 75% (cuDNN's). The matmul rate is measured once per page, after a second of warm-up,
-# and differs by a few percent between the pages of one build (compare the ceilings that the
-# attention lessons print): a kernel within a few percent of it, or even past it, is at the ceiling, not beyond it.
+# From this run's table. Expect :math:`D = 64` further below the matmul rate than :math:`D = 128`, for
+# cuDNN too. A score costs one exponential and :math:`4D` FLOPs of matrix products; the FlashAttention-3
+# paper gives the H100 SXM5 989 TFLOP/s of fp16 products against 3.9 T exponentials per second, about
+# 254 FLOPs per exponential. At :math:`D = 64` (256 FLOPs per score) the exponentials take as long as
+# the products, at :math:`D = 128` half as long, so at 64 the speed rests on how well the two overlap.
+# An Nsight Compute profile at :math:`N = 4096` (engineering notes; an H200, not this build) found the
+# tensor cores busy about half the time at :math:`D = 64` in this kernel and cuDNN's alike, and at
+# :math:`D = 128` 76% to 79% (ours) against 70% to 75% (cuDNN's). The matmul rate, measured once per
+# page after a second of warm-up, differs by a few percent between the pages of one build (compare the
+# attention lessons' ceilings): a kernel within a few percent of it, or past it, is at the ceiling.
 
 if __name__ == "__main__":
     peers = against_portable(table, peak, "lesson 05's kernel")
@@ -834,12 +801,11 @@ if __name__ == "__main__":
 # %%
 # Exercise
 # --------
-# **Making a tensor loadable.** Write ``tma_ready(t)``: a tensor with the values of the 4-D tensor ``t``
-# that TMA can load (``tma_loadable`` says what that takes), ``t`` itself where it already is, a copy
-# only where it is not. ``check_tma_ready(tma_ready)`` tries it on contiguous, transposed, sliced,
-# broadcast and misaligned tensors. Watch out: ``t.contiguous()`` returns ``t`` itself whenever ``t``
-# is already contiguous, even where its data starts off a 16-byte boundary. (Lesson 08's exercise
-# shares causal tiles between persistent programs.)
+# **Making a tensor loadable.** Write ``tma_ready(t)``: a tensor equal to the 4-D ``t`` that TMA can
+# load (``tma_loadable`` says what that takes), ``t`` itself where it already is, a copy only where not.
+# ``check_tma_ready(tma_ready)`` tries it on contiguous, transposed, sliced, broadcast and misaligned
+# tensors. Watch out: ``t.contiguous()`` returns ``t`` itself whenever it is contiguous, even with data
+# off a 16-byte boundary. (Lesson 08's exercise shares causal tiles between persistent programs.)
 
 
 def check_tma_ready(fn):
