@@ -213,6 +213,9 @@ GOOD_RECORD = {"tutorial": "01-x", "platform": "GPU: test", "on_gpu": True, "dat
     ("benchmarks[0].ours", lambda r: r["benchmarks"][0].update(ours=["mine "])),
     ("benchmarks[0].peers", lambda r: r["benchmarks"][0].update(peers=["b"])),
     ("benchmarks[0]", lambda r: r["benchmarks"][0].update(peers=["mine"])),
+    ("benchmarks[0].ceiling_per_case", lambda r: r["benchmarks"][0].update(ceiling_per_case=3)),
+    ("benchmarks[0].ceiling_per_case", lambda r: r["benchmarks"][0].update(ceiling_per_case="copy")),
+    ("benchmarks[0].ceiling_per_case", lambda r: r["benchmarks"][0].update(ceiling_per_case="a")),
 ])
 def test_validate_record_names_the_bad_field(field, change):
     perf_summary.validate_record(GOOD_RECORD)
@@ -220,6 +223,20 @@ def test_validate_record_names_the_bad_field(field, change):
     change(record)
     with pytest.raises(ValueError, match=rf"^{re.escape(field)}[:. ]"):
         perf_summary.validate_record(record)
+
+
+def test_a_case_s_own_ceiling_divides_the_fractions_of_that_case():
+    record = copy.deepcopy(GOOD_RECORD)
+    bench = record["benchmarks"][0]
+    bench["rows"] += [{"N": 1, "provider": "copy", "value": 80.0}, {"N": 2, "provider": "mine", "value": 30.0},
+                      {"N": 2, "provider": "copy", "value": None}]
+    bench["ceiling_per_case"] = "copy"
+    perf_summary.validate_record(record)
+    cases = perf_summary.per_case(bench)
+    assert [case["kernels"]["mine"]["fraction"] for case in cases] == [50.0 / 80.0, None]  # no copy at N=2
+    assert perf_summary.ceiling_ranges([record]) == []  # no fraction divides by the device's figure
+    del bench["ceiling_per_case"]
+    assert [case["kernels"]["mine"]["fraction"] for case in perf_summary.per_case(bench)] == [0.5, 0.3]
 
 
 def test_a_results_file_carries_its_own_name(tmp_path):
@@ -250,7 +267,8 @@ def test_performance_page_is_computed_from_this_build(site):
     if not all(r["on_gpu"] for r in results):
         assert "measure the interpreter, not a GPU" in page
     # Each quantity in one format: ratios 0.00x, fractions 0%, ceilings as format_rate writes them.
-    ceilings = {f"{b['ceiling_name']}: {perf_summary.format_rate(b['ceiling'])} {b['unit']}"
+    ceilings = {f"\u201c{b['ceiling_per_case']}\u201d at each case" if "ceiling_per_case" in b else
+                f"{b['ceiling_name']}: {perf_summary.format_rate(b['ceiling'])} {b['unit']}"
                 for r in results for b in r["benchmarks"]}
     ratio = r"n/a|\d+\.\d\dx .+ \(.*\)"
     summary = page_tables(page)[0]
@@ -270,6 +288,8 @@ def test_performance_page_is_computed_from_this_build(site):
     measurements = {}  # (ceiling, unit) -> {(lesson, figure)}: benchmarks of one lesson share its run's figure
     for r in results:
         for b in r["benchmarks"]:
+            if "ceiling_per_case" in b:  # its fractions divide by each case's own ceiling
+                continue
             measurements.setdefault((b["ceiling_name"], b["unit"]), set()).add((r["tutorial"], b["ceiling"]))
     for (name, unit), runs in measurements.items():
         said = [s for s in sentences if s.startswith(f"The {name} was measured {len(runs)} times in this build")]
@@ -289,8 +309,11 @@ def test_performance_page_shows_every_case(site):
     for (heading, ceiling, table), (tutorial, bench) in zip(sections, benches):
         assert f'href="tutorials/{tutorial}.html"' in heading, heading
         assert text_of(heading) == f"{tutorial}: {bench['name']}"
-        assert text_of(ceiling) == (f"Ceiling: {bench['ceiling_name']}, {perf_summary.format_rate(bench['ceiling'])} "
-                                    f"{bench['unit']}, measured in the same run.")
+        rate = f"{perf_summary.format_rate(bench['ceiling'])} {bench['unit']}"
+        assert text_of(ceiling).replace("\u2019", "'") == (
+            f"Ceiling: at each case, \u201c{bench['ceiling_per_case']}\u201d measured there in the same run (the "
+            f"device's {bench['ceiling_name']}: {rate})." if "ceiling_per_case" in bench else
+            f"Ceiling: {bench['ceiling_name']}, {rate}, measured in the same run.")
         assert 'class="perf-summary' in table, "the case tables share the summary's look on a phone"
         header, rows = perf_summary.case_table(bench)
         assert [row for row in table_rows(table, "th") if row] == [header]

@@ -16,6 +16,8 @@ and ``validate_record`` checks it on every load::
          "unit": str,          # of every value and of the ceiling, e.g. "GB/s", "TFLOP/s"
          "ceiling_name": str,  # what the device ceiling is, e.g. "copy bandwidth"
          "ceiling": float,     # the ceiling measured in the same run: finite and > 0
+         "ceiling_per_case": str,  # optional: a provider measured at every case (a copy of the same
+                                   # bytes, say) whose value there is that case's ceiling instead
          "ours": [str, ...],   # the providers that are this tutorial's kernels (at least one)
          "peers": [str, ...],  # the providers they are compared with (may be empty)
          "rows": [             # one per provider and case; other providers are allowed and ignored
@@ -23,11 +25,13 @@ and ``validate_record`` checks it on every load::
              <case column>: str, int, float or bool, ...},   # the same columns, of the same types, in
             ...]}]}                                           # every row; one row per provider and case
 
-Every provider of ``ours`` and ``peers`` has rows, and none is in both lists.
+Every provider of ``ours`` and ``peers`` has rows, and none is in both lists; ``ceiling_per_case``, when
+given, has rows too and is in neither.
 
 For every kernel of ours, the page gives its best and worst ratio to the strongest peer measured at
-the same case, and its best and worst fraction of the device ceiling measured in the same run, with
-the range of each ceiling that several benchmarks measured; then, for every benchmark, its ceiling
+the same case, and its best and worst fraction of the device ceiling measured in the same run (or of
+the case's own ceiling, where the benchmark names one), with the range of each device ceiling that
+several benchmarks divide by; then, for every benchmark, its ceiling
 and a table with the same two quantities at each case.
 Each quantity has one format wherever the page shows it: ``format_ratio``, ``format_fraction`` and
 ``format_rate`` (the ceiling).
@@ -48,6 +52,7 @@ from sphinx.addnodes import pending_xref
 FIELDS = {"tutorial": str, "platform": str, "on_gpu": bool, "date": str, "benchmarks": list}
 BENCHMARK_FIELDS = {"name": str, "unit": str, "ceiling_name": str, "ceiling": float, "ours": list,
                     "peers": list, "rows": list}
+OPTIONAL_BENCHMARK_FIELDS = {"ceiling_per_case": str}
 KINDS = {str: "text", bool: "true or false", list: "a list", float: "a number"}
 CASE_TYPES = (str, int, float, bool)
 
@@ -62,16 +67,17 @@ def _is_kind(value, kind):
     return isinstance(value, kind)
 
 
-def _check_fields(record, fields, where):
+def _check_fields(record, fields, where, optional=None):
     if not isinstance(record, dict):
         raise ValueError(f"{where or 'record'}: expected an object, got {type(record).__name__}")
+    optional = optional or {}
     prefix = f"{where}." if where else ""
-    missing, unknown = sorted(set(fields) - set(record)), sorted(set(record) - set(fields))
+    missing, unknown = sorted(set(fields) - set(record)), sorted(set(record) - set(fields) - set(optional))
     if missing:
         raise ValueError(f"{prefix}{missing[0]}: missing")
     if unknown:
         raise ValueError(f"{prefix}{unknown[0]}: not a field of the results contract")
-    for name, kind in fields.items():
+    for name, kind in {**fields, **{name: optional[name] for name in optional if name in record}}.items():
         value = record[name]
         if not _is_kind(value, kind):
             raise ValueError(f"{prefix}{name}: expected {KINDS[kind]}, got {value!r}")
@@ -115,7 +121,7 @@ def validate_record(record):
         raise ValueError("benchmarks: empty")
     for b, bench in enumerate(record["benchmarks"]):
         where = f"benchmarks[{b}]"
-        _check_fields(bench, BENCHMARK_FIELDS, where)
+        _check_fields(bench, BENCHMARK_FIELDS, where, OPTIONAL_BENCHMARK_FIELDS)
         if not _is_finite_positive(bench["ceiling"]):
             raise ValueError(f"{where}.ceiling: expected a finite number > 0, got {bench['ceiling']!r}")
         _check_providers(bench["ours"], f"{where}.ours", at_least_one=True)
@@ -123,6 +129,9 @@ def validate_record(record):
         both = sorted(set(bench["ours"]) & set(bench["peers"]))
         if both:
             raise ValueError(f"{where}: {both[0]!r} is both one of ours and a peer")
+        per_case = bench.get("ceiling_per_case")
+        if per_case in bench["ours"] or per_case in bench["peers"]:
+            raise ValueError(f"{where}.ceiling_per_case: {per_case!r} is also one of ours or a peer")
         if not bench["rows"]:
             raise ValueError(f"{where}.rows: empty")
         columns, seen = None, set()
@@ -154,10 +163,10 @@ def validate_record(record):
                 raise ValueError(f"{at}: a second row for {row['provider']!r} at {_case_text(key[1])}")
             seen.add(key)
         named = {row["provider"] for row in bench["rows"]}
-        for field in ("ours", "peers"):
-            for name in bench[field]:
-                if name not in named:
-                    raise ValueError(f"{where}.{field}: {name!r} has no row")
+        listed = [("ours", name) for name in bench["ours"]] + [("peers", name) for name in bench["peers"]]
+        for field, name in listed + ([("ceiling_per_case", per_case)] if per_case else []):
+            if name not in named:
+                raise ValueError(f"{where}.{field}: {name!r} has no row")
 
 
 def format_ratio(ratio):
@@ -197,7 +206,8 @@ def case_columns(bench):
 def per_case(bench):
     """One entry per case, in the order cases first appear in the rows: for each kernel of ours, its
     ratio to the strongest peer measured at that case, as (ratio, peer), and its fraction of the
-    ceiling; None where the kernel, or for the ratio every peer, was not measured there."""
+    ceiling (the case's own, where the benchmark names one); None where the kernel, or for the ratio
+    every peer, or for the fraction the case's ceiling, was not measured there."""
     columns, cases = case_columns(bench), {}
     for row in bench["rows"]:
         case = {name: row[name] for name in columns}
@@ -208,12 +218,13 @@ def per_case(bench):
     for key, (case, values) in cases.items():
         peers = [(values[p], p) for p in bench["peers"] if p in values]
         strongest = max(peers) if peers else None
+        ceiling = values.get(bench["ceiling_per_case"]) if "ceiling_per_case" in bench else bench["ceiling"]
         kernels = {}
         for ours in bench["ours"]:
             value = values.get(ours)
             kernels[ours] = {
                 "ratio": None if value is None or strongest is None else (value / strongest[0], strongest[1]),
-                "fraction": None if value is None else value / bench["ceiling"],
+                "fraction": None if value is None or ceiling is None else value / ceiling,
             }
         out.append({"key": key, "case": case, "kernels": kernels})
     return out
@@ -249,18 +260,32 @@ SUMMARY_HEADER = ["tutorial", "benchmark", "kernel", "best vs. peer", "worst vs.
 def ceiling_text(bench):
     """The line under a benchmark's heading that gives the ceiling its "of ceiling" columns divide by."""
     rate = f"{format_rate(bench['ceiling'])} {bench['unit']}"
+    if "ceiling_per_case" in bench:
+        return (f"Ceiling: at each case, \u201c{bench['ceiling_per_case']}\u201d measured there in the same run "
+                f"(the device's {bench['ceiling_name']}: {rate}).")
     return f"Ceiling: {bench['ceiling_name']}, {rate}, measured in the same run."
 
 
+def ceiling_cell(bench):
+    """The summary table's "ceiling" cell of a benchmark."""
+    if "ceiling_per_case" in bench:
+        return f"\u201c{bench['ceiling_per_case']}\u201d at each case"
+    return f"{bench['ceiling_name']}: {format_rate(bench['ceiling'])} {bench['unit']}"
+
+
 def ceiling_ranges(results):
-    """One sentence per ceiling that was measured more than once, with the lowest and highest value.
+    """One sentence per device ceiling that fractions divide by in more than one run, with the lowest and
+    highest value.
 
     Each lesson measures its ceiling in its own run, and the runs differ; the sentence shows by how much,
     so that fractions from different lessons are not read as if they shared one denominator. Benchmarks
-    of one lesson that share its run's figure count as one measurement."""
+    of one lesson that share its run's figure count as one measurement; those whose fractions divide by
+    each case's own ceiling do not count."""
     measured, benchmarks = {}, {}
     for result in results:
         for bench in result["benchmarks"]:
+            if "ceiling_per_case" in bench:
+                continue
             key = (bench["ceiling_name"], bench["unit"])
             measured.setdefault(key, set()).add((result["tutorial"], bench["ceiling"]))
             benchmarks[key] = benchmarks.get(key, 0) + 1
@@ -392,7 +417,7 @@ class PerfSummary(Directive):
                         _ratio_text(s["best_ratio"]), _ratio_text(s["worst_ratio"]),
                         f"best {format_fraction(best[0])} ({_case_text(best[1])}), "
                         f"worst {format_fraction(worst[0])} ({_case_text(worst[1])})",
-                        f"{bench['ceiling_name']}: {format_rate(bench['ceiling'])} {bench['unit']}",
+                        ceiling_cell(bench),
                     ])
         out.append(_table(SUMMARY_HEADER, rows))
         out.extend(nodes.paragraph(text=sentence) for sentence in ceiling_ranges(results))
