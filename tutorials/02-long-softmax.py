@@ -102,7 +102,7 @@ FUSED = load_sibling("01-fused-softmax")  # for rows short enough to share a pro
 # the output :math:`y_j = e^{x_j - m} / d`, reads :math:`3MN` elements and writes :math:`MN`: half
 # the speed of an ideal one-pass kernel, before anything else goes wrong.
 #
-# Every kernel below shares two details. First, the exponential: GPUs have a hardware instruction for
+# Two details recur in the kernels below. First, the exponential: GPUs have a hardware instruction for
 # :math:`2^x` (``ex2.approx`` in PTX, ``MUFU.EX2`` in machine code), and :math:`e^x = 2^{x \log_2 e}`,
 # so the kernels write ``exp2((x - m) * log2(e))``. That saves less than it seems: compiled without a
 # GPU for an H100 (sm_90) with Triton 3.6.0 (ptxas 12.8) and 3.9.0 (ptxas 13.4) alike, ``tl.exp(x)``
@@ -253,8 +253,8 @@ def row_on_chip_kernel(x_ptr, y_ptr, N, x_row_stride, x_col_stride, y_row_stride
 # :math:`dx = y \circ \big(dy - \operatorname{rowsum}(dy \circ y)\big)`, which needs only the saved
 # output :math:`y`. A long row no longer fits in registers, so the backward walks it in chunks like
 # the forward: one loop for the dot product of :math:`dy` and :math:`y` (per lane, reduced once), one
-# to write :math:`dx`. That reads :math:`y` and :math:`dy` twice, lesson 01's fused backward once,
-# but one kernel serves rows of any length, whichever forward produced :math:`y`.
+# to write :math:`dx`. This reads :math:`y` and :math:`dy` twice (lesson 01's fused backward reads them
+# once), but one kernel serves rows of any length, whichever forward produced :math:`y`.
 
 
 @triton.jit
@@ -387,13 +387,14 @@ def row_on_chip_softmax(x):
 # %%
 # Beyond one SM: programs that share a row
 # ----------------------------------------
-# Past one SM, the two-pass kernel reads a row twice: a ceiling of two thirds of the copy bandwidth.
+# Past one SM, the two-pass kernel reads a row twice: a ceiling of two thirds of the copy bandwidth,
+# unless the L2 cache serves the second read ("What the numbers say" shows where it does).
 # To read a long row once, several programs share it. Each of ``SPLITS`` programs holds one chunk in
 # registers, computes its maximum :math:`m_c` and sum :math:`d_c = \sum e^{x - m_c}`, publishes the
 # pair to a small buffer in device memory, increments the row's *arrival counter*, waits until it
 # shows every chunk has arrived, merges the pairs with the combine step and normalizes the chunk it
 # still holds: each element read and written once, like the fused kernel, for rows of any length the
-# whole GPU can hold. GPU kernels normally never wait for one another, and this takes care (on
+# whole GPU can hold. A kernel's programs normally never wait for one another, so this takes care (on
 # Hopper, thread-block clusters with distributed shared memory do the exchange in hardware, without a
 # round trip through device memory; Triton does not expose them):
 #
@@ -443,8 +444,8 @@ def split_row_kernel(x_ptr, y_ptr, stats_ptr, arrived_ptr, M, N, x_row_stride, x
         tl.store(y_ptr + row64 * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
 
 
-# 32 KiB of the row per program, 4 warps: 8,192 fp32 or 16,384 bf16 elements, `tools/tune.py split-row`'s H100 winners
-# (bf16 with fp32's 8,192: 83% of a same-size copy at 65,536 columns, against 89% with 16,384).
+# 32 KiB of the row per program, 4 warps: 8,192 fp32 or 16,384 bf16 elements, the H100 winners of
+# tools/tune.py split-row (bf16 with fp32's 8,192: 83% of a same-size copy at 65,536 columns, against 89% with 16,384).
 SPLIT_BYTES, SPLIT_WARPS = 32768, 4
 COOPERATIVE = dict(launch_cooperative_grid=True)  # all programs resident at once, or CUDA refuses (see above)
 _resident = {}
@@ -570,7 +571,7 @@ describe_platform, bench_ms, fastest_of_rounds, ROUNDS = (
 copy_bandwidth_gbs, save_results = FUSED.copy_bandwidth_gbs, FUSED.save_results
 
 OURS = {"three-pass": three_pass_softmax, "online (two-pass)": online_softmax,
-        "row on chip (one pass)": row_on_chip_softmax, "split row (one pass, shared)": split_row_softmax}
+        "row on chip (one pass)": row_on_chip_softmax, "split row (one pass)": split_row_softmax}
 
 
 def run_benchmark(M, sizes, dtypes):
@@ -613,7 +614,7 @@ if __name__ == "__main__":
 # Every provider's speed in GB/s at each row length, in this run (NaN where a kernel does not run,
 # as row-on-chip past ``ROW_ON_CHIP_LIMIT``; to 0.1 GB/s on a GPU, three decimals for the interpreter):
 
-table.rename(columns=lambda name: f"{name} [GB/s]").round(1 if ON_GPU else 3) if __name__ == "__main__" else None
+table.rename_axis(columns="GB/s").round(1 if ON_GPU else 3) if __name__ == "__main__" else None
 
 # %%
 # What the numbers say
@@ -672,7 +673,7 @@ if __name__ == "__main__":
 # row, only the other programs on its SM keep loads in flight. At the longest row, this cell asks
 # the compiler per dtype for registers per thread and programs per SM, hence the part of the row
 # each SM can be loading at once, beside the measured speed. Lesson 10 keeps the chunk in shared
-# memory instead, as the 16-bit values read, and measures what that buys.
+# memory instead, as the 16-bit values it read, and measures what that buys.
 
 if __name__ == "__main__" and ON_GPU:
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
@@ -682,7 +683,7 @@ if __name__ == "__main__" and ON_GPU:
         compiled = split_row_kernel.warmup(*args, **meta, num_warps=SPLIT_WARPS, grid=(1,), **COOPERATIVE)
         compiled._init_handles()
         per_sm = _programs_that_fit(args, meta, SPLIT_WARPS) // sms
-        speed = table.loc[(str(dtype).split(".")[1], sizes[-1]), "split row (one pass, shared)"]
+        speed = table.loc[(str(dtype).split(".")[1], sizes[-1]), "split row (one pass)"]
         print(f"{str(dtype).split('.')[1]:>8s}: {meta['CHUNK']} elements per program, {compiled.n_regs} registers per "
               f"thread, {per_sm} programs per SM, so {per_sm * SPLIT_BYTES // 1024} KiB of the row in flight per SM; "
               f"{speed / copy_gbs:.0%} of the copy bandwidth at N = {sizes[-1]}")
@@ -696,7 +697,7 @@ elif __name__ == "__main__":
 # thread of 1,024) fits with room for temporaries; one of 65,536 (64 per thread) cannot. On a GPU,
 # this cell compiles the row-on-chip kernel with 32 warps for rows of 16,384, 32,768 and 65,536
 # fp32 values (launched directly, past the launcher's limit) and prints the registers and local
-# memory (spills) per thread it got, and its speed on :math:`M = 4096` rows. Without a GPU: a
+# memory (spills) per thread it got, and its speed on :math:`M = 4096` rows. For readers without a GPU: a
 # compile made offline for sm_90 with Triton 3.6 and 3.9, in fp32 and bf16 (not this page's
 # numbers), used 42 to 48, 54 to 56 and 64 registers per thread for those lengths and spilled only
 # at 65,536 (268 to 456 bytes of spill stores per thread, as ptxas counts them). The GPU's own

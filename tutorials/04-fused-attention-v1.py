@@ -2,9 +2,10 @@
 Fused attention v1: the FlashAttention-1 algorithm
 ==================================================
 
-Attention, :math:`O = \\mathrm{softmax}(QK^T \\cdot s)\\,V`, computed without ever writing the :math:`N \\times N`
-matrix of scores to memory, as FlashAttention (Dao et al., 2022) first did. That algorithm, taught by Triton's 2022
-tutorial, is the step from lesson 02's online softmax to FlashAttention-2 (next lesson), kept alive here on purpose.
+Attention, :math:`O = \\mathrm{softmax}(\\tau\\,QK^T)\\,V` with a scale :math:`\\tau`, computed without ever writing
+the :math:`N \\times N` matrix of scores to memory, as FlashAttention (Dao et al., 2022) first did. That algorithm,
+taught by Triton's 2022 tutorial, is the step from lesson 02's online softmax to FlashAttention-2 (next lesson),
+kept alive here on purpose.
 
 You will learn:
 
@@ -13,8 +14,8 @@ You will learn:
 * the FlashAttention-1 forward: running maximum :math:`m` and sum :math:`\\ell` kept apart, the output rescaled at
   every step, the statistics saved for the backward;
 * its backward: a preprocess, one program per (batch, head) walking the key blocks, :math:`dQ` accumulated in fp32
-  through memory; why it divides :math:`dO` by :math:`\\ell` first (derived), what that costs in fp16, and why it is
-  slow (measured: how many programs an SM needs);
+  through memory; why it divides :math:`dO` by :math:`\\ell` first (derived), what that costs in fp16, and one
+  reason it is slow (measured: how many programs an SM needs);
 * what the 2022 code needed that today's Triton no longer has, and what replaces it;
 * how to benchmark attention honestly: FLOPs, forward and backward timed apart, every SDPA backend beside it,
   repeated timings, the matrix-multiply rate as the ceiling. The later attention lessons load this file, when it
@@ -90,9 +91,10 @@ if __name__ == "__main__":
 # stored. With ``CAUSAL``, query :math:`i` sees only keys :math:`j \le i`: query blocks stop at the diagonal.
 #
 # FlashAttention-1 keeps the output *normalized*, :math:`o = a / \ell` over the keys so far: each step multiplies it
-# by :math:`\ell e^{m - m'} / \ell'` and the new probability tile by :math:`e^{m_{ij} - m'} / \ell'`, two divisions
-# per row and two extra multiplications per element that FlashAttention-2 removed by normalizing once at the end. v1
-# saves :math:`\ell` and :math:`m` per row for the backward.
+# by :math:`\ell e^{m - m'} / \ell'` and the new probability tile, made against the block's own row maximum
+# :math:`m_{ij}`, by :math:`e^{m_{ij} - m'} / \ell'`. That is two divisions per row and one extra multiplication
+# per probability, every step, which FlashAttention-2 removed by normalizing once at the end (it still rescales the
+# accumulator by :math:`e^{m - m'}`). v1 saves :math:`\ell` and :math:`m` per row for the backward.
 
 
 @triton.jit
@@ -148,7 +150,7 @@ def attn_fwd_v1_kernel(
 # %%
 # The backward pass, derived
 # --------------------------
-# For one (batch, head), with the scale folded into the scores, the forward is :math:`S = s\,QK^T`,
+# For one (batch, head), with the scale folded into the scores, the forward is :math:`S = \tau\,QK^T`,
 # :math:`P = \mathrm{softmax}_\text{rows}(S)`, :math:`O = PV`. Walking back from :math:`dO`:
 #
 # * :math:`O = PV` gives :math:`dV = P^T dO` and :math:`dP = dO\,V^T`.
@@ -156,7 +158,7 @@ def attn_fwd_v1_kernel(
 #   :math:`dS = P \circ (dP - \Delta)` with :math:`\Delta_i = \sum_j P_{ij}\,dP_{ij}`, and since
 #   :math:`dP_{ij} = dO_i \cdot v_j`, :math:`\Delta_i = dO_i \cdot \sum_j P_{ij} v_j = dO_i \cdot O_i`: one dot
 #   product of two stored rows.
-# * :math:`S = s\,QK^T` gives :math:`dQ = s\,dS\,K` and :math:`dK = s\,dS^T Q`.
+# * :math:`S = \tau\,QK^T` gives :math:`dQ = \tau\,dS\,K` and :math:`dK = \tau\,dS^T Q`.
 #
 # Only :math:`m` and :math:`\ell` were saved, so the backward recomputes each tile of :math:`P`: :math:`e^{S - m}`
 # is cheap, dividing by :math:`\ell` row by row at every tile is not, so the 2022 kernel moves the division out of
@@ -476,11 +478,13 @@ if __name__ == "__main__":
 
 # %%
 # FlashAttention-2's backward (lesson 06) does not divide :math:`dO`: it recomputes :math:`P` already normalized
-# from the saved log-sum-exp, and its :math:`dV`, itself this small, loses a few bits but stays within its tests'
-# fp16 tolerance in this case. Its :math:`dQ` and :math:`dK` do not escape: like Triton's own tutorial, it rounds
-# :math:`dS = P \circ (dP - \Delta)` to fp16 for the tensor cores, and with :math:`P` near :math:`1/1024` and
-# :math:`dP - \Delta` the size of :math:`dO`, :math:`dS` is subnormal too. Hence fp16 training's loss scaling
-# (``torch.amp.GradScaler``), and one reason to train in bf16 (fp32's exponent range: no subnormals at this scale).
+# from the saved log-sum-exp, and its :math:`dV`, of order :math:`10^{-4}` itself, loses a few bits but stays within
+# the fp16 tolerance of this site's tests in this same case (``test_a_small_output_gradient_over_many_keys`` in
+# ``tests/test_attention.py``, not run on this page). Its :math:`dQ` and :math:`dK` do not escape: like Triton's own
+# tutorial, it rounds :math:`dS = P \circ (dP - \Delta)` to fp16 for the tensor cores, and with :math:`P` near
+# :math:`1/1024` and :math:`dP - \Delta` the size of :math:`dO`, :math:`dS` is subnormal too. Hence fp16 training's
+# loss scaling (``torch.amp.GradScaler``), and one reason to train in bf16 (fp32's exponent range: no subnormals at
+# this scale).
 
 # %%
 # Benchmark
@@ -721,7 +725,8 @@ def plot_mode(table, mode, peak, title):
         panel = part.xs((D, causal), level=["D", "causal"]).dropna(axis=1, how="all")
         for name in panel.columns:
             color, marker = STYLE.get(name, ("#17becf", "."))
-            ax.plot(panel.index, panel[name], color=color, marker=marker, label=name)
+            ax.plot(panel.index, panel[name], color=color, marker=marker, label=name,
+                    zorder=3 if name.startswith("Triton") else 2)  # ours on top where lines meet
         ax.axhline(peak, color="black", linestyle="--", zorder=0, label=f"{CEILING_NAME} (ceiling)")
         ax.set_xscale("log", base=2)
         ax.set_xticks(list(panel.index), [str(n) for n in panel.index], fontsize=10)
@@ -757,8 +762,8 @@ def spread_summary(results):
     worst = results.loc[results["spread"].idxmax()]
     return (f"Each number is the fastest of {ROUNDS} timings taken in passes over all the cases, in alternating "
             f"order, or of up to {MAX_TIMINGS} where the two fastest differed by more than {AGREE:.0%}. The timings "
-            "of one provider in one case differ by (median, largest) "
-            + ", ".join(f"N={n}: {row['median']:.1%}, {row['max']:.0%}" for n, row in spread.iterrows())
+            "of one provider in one case differ by "
+            + "; ".join(f"N={n}: median {row['median']:.1%}, largest {row['max']:.0%}" for n, row in spread.iterrows())
             + f"; the largest, {worst['spread']:.0%}, is {worst['provider']} ({worst['mode']}) at N={worst['N']}. "
             "Differences between providers smaller than the median spread at that N are noise; at the shortest "
             "N, where the host can pace the GPU, a whole run can also come out slower or faster than another.")
@@ -821,8 +826,8 @@ if __name__ == "__main__":
 # 132: the GPU does not idle for lack of programs, but each SM idles inside its one program, whose 4 warps walk the
 # key blocks in turn: while they wait for a load or the tensor cores, no other program can use the SM. Below,
 # :math:`N` is fixed and :math:`B \cdot H` is 1, 2, 4 and 8 times the SM count. If the rate grows with programs per
-# SM, the kernel is latency-bound, and the fix is more, smaller, independent programs: FlashAttention-2's backward,
-# one program per *key block*.
+# SM, the kernel is latency-bound, and part of the fix is more, smaller, independent programs: FlashAttention-2's
+# backward, one program per *key block*. The last line sets what they buy beside the gap to SDPA in the benchmark.
 
 if __name__ == "__main__" and ON_GPU:
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
@@ -841,6 +846,13 @@ if __name__ == "__main__" and ON_GPU:
           "within 5% of the fastest: "
           + ("the backward is latency-bound, and more independent programs per SM hide it."
              if gain > 1.2 else "more programs per SM do not help here; its limit is elsewhere."))
+    case = table.loc[(D, False, "bwd", N)]
+    gap = case[peers].max() / case[OURS]
+    print(f"In the benchmark above (N={N}, D={D}, non-causal) the fastest SDPA backend's backward ran {gap:.1f}x as "
+          f"fast as this one. More programs per SM account for {gain:.2f}x of that"
+          + (f"; the other {gap / gain:.1f}x lies in the work each program does, which lesson 06's backward changes "
+             "too (dQ in a pass of its own, not added through memory at every key block)." if gap > 1.05 * gain
+             else ", all of it at this size."))
 elif __name__ == "__main__":
     print("Programs per SM are a GPU question: the interpreter runs one program at a time.")
 

@@ -16,7 +16,7 @@ You will learn:
 * how registers move between warps with ``setmaxnreg``;
 * why one program per SM walks tile after tile, and how causal tiles in pairs keep programs evenly loaded;
 * why fp8 needs V stored with the keys contiguous on Hopper, and what fp8 buys;
-* how ``attention`` picks the Gluon or portable forward per case, from a table measured once per GPU.
+* how ``attention`` picks the Gluon or portable forward per case, from a table measured once, on an H100.
 
 Lesson 08 splits this forward's calls into host and GPU time, and measures what one program per SM buys.
 This lesson needs ``04-fused-attention-v1.py`` to ``06-fused-attention-v2-backward.py`` next to it (the
@@ -142,8 +142,9 @@ if __name__ == "__main__":
 # %%
 # A ring of buffers, and the phases of its barriers
 # -------------------------------------------------
-# Block :math:`j` of K or V goes into buffer :math:`j \bmod \mathrm{STAGES}` of a ring, as its use
-# :math:`u = \lfloor j / \mathrm{STAGES} \rfloor`, completing its "full" and "empty" barriers once each.
+# Block :math:`j` of K or V goes into buffer :math:`j \bmod \mathrm{STAGES}` of a ring, as that buffer's use
+# number :math:`u = \lfloor j / \mathrm{STAGES} \rfloor`; each use completes the buffer's "full" and "empty"
+# barriers once.
 # An mbarrier remembers only the *parity* of its completed uses (its phase), and a wait names a parity:
 # the consumer waits for "full" to reach :math:`u \bmod 2`; the loader, before refilling, waits for
 # "empty" to show the previous use consumed, the opposite parity. A fresh barrier counts as having
@@ -185,7 +186,8 @@ if __name__ == "__main__":
 # explicit layouts, shared-memory buffers, mbarriers, TMA copies, asynchronous ``warpgroup_mma``, and
 # ``warp_specialize``, which runs one function in the program's own 4 warps (the first consumer) and
 # others in extra warps (the second consumer, the loader). Gluon is experimental: Triton 3.6's TMA copy
-# ``async_copy_global_to_shared`` is later ``async_load``, and the lesson takes whichever exists. Also:
+# ``async_copy_global_to_shared`` is renamed ``async_load`` in later releases, and the lesson takes whichever
+# exists. Also:
 #
 # * TMA copies 4-D boxes (1 batch, 1 head, 64 or 128 rows, :math:`D`) out of (B, H, N, D) tensors of any
 #   strides, zero-filling rows past :math:`N`: any length and transposed inputs work, and only the last,
@@ -196,9 +198,10 @@ if __name__ == "__main__":
 #   128 KiB of K and V in shared memory. The engineering notes record other shapes and buffer counts.
 # * O leaves through a new layout: ``warpgroup_mma``'s accumulator gives each thread pairs of adjacent
 #   values over eight rows (4-byte stores); 8 adjacent values (16 bytes) per thread and whole rows per
-#   warp give wide, coalesced ones. On an H100 (2026-11-23, engineering notes, not this page) that alone
+#   warp give wide, coalesced stores. On an H100 (2026-11-23, engineering notes, not this page) that alone
 #   made the kernel 12% faster by GPU time at :math:`D = 128`, N = 1024, unmasked (462 to 517 TFLOP/s),
-#   and left long sequences unchanged: once per tile, the epilogue weighs most where tiles are short.
+#   and left long sequences unchanged: the epilogue runs once per tile, so it weighs most where a tile has
+#   few key blocks, at short sequences.
 
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
@@ -507,8 +510,9 @@ def _ws_forward(q, k, v, o, lse, causal, sm_scale, programs=None):
 # each as the slower of its GPU time and the host's time to enqueue a call (back to back, as in
 # training, the slower sets the pace), and kept the faster per case. At :math:`N = 1024` the Gluon
 # call's host time is about its GPU time or more (lesson 08 measures both), so the portable call,
-# lighter on the host, can win with more GPU time. The sweep ran before this build (on which GPU:
-# lesson 05's ``TUNED_ON``; rows measured again: the comment above the table). This page's benchmark
+# lighter on the host, can win with more GPU time. The sweep ran before this build: lesson 05's
+# ``TUNED_ON`` says on which GPU, and the comment above the table which rows ``tools/tune.py
+# attention-paths`` measured again later. This page's benchmark
 # hides host time that the table counts (lesson 08 shows how), so the two can disagree at the shortest
 # lengths and where two paths are close; the last line under "Reading the numbers" counts where they
 # agree. ``warp_specialized=None`` runs the table's path (Gluon where it can, in cases the table does

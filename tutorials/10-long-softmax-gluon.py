@@ -182,8 +182,8 @@ if __name__ == "__main__":
 # * ``cp.async`` moves 4, 8 or 16 bytes, and the compiler must prove that each one is aligned.
 #   Triton compiles a variant of the kernel for each set of such facts it sees in a call, and knows
 #   that an integer argument is a multiple of 16 only in the variant for calls where it was one. For
-#   a 16-bit row length or row stride that is not, it can prove nothing wider than one 2-byte
-#   element, below the copy's 4 bytes, and refuses to compile it. The launcher then picks
+#   16-bit data whose row length or row stride is not a multiple of 16, it can prove nothing wider
+#   than one 2-byte element, below the copy's 4 bytes, and refuses to compile the copy. The launcher then picks
 #   ``ASYNC=False`` (for every dtype, to keep one rule), which copies through registers:
 #   ``gl.load``, then a store to shared memory.
 # * **A pitfall: values kept from the first read.** The two passes read the same shared memory, and
@@ -307,11 +307,12 @@ def shared_split_row_kernel(x_ptr, y_ptr, stats_ptr, arrived_ptr, M, N, x_row_st
 #   "Driver Shared Memory Per Block"), in units of 128 bytes;
 # * **programs**: at most 32 per SM on Hopper (lesson 02's ``max_programs_per_sm``).
 #
-# The compiler reports the first and third figures for the compiled kernel (``n_regs`` and
-# ``metadata.shared``). Lesson 02's launcher, whose kernel uses almost no shared memory, leaves out
-# the reserved kilobyte. Here it can matter: 7 programs of 32 KiB chunks would fit in 228 KiB without
-# it, 6 with it. (The driver then sizes the SM's shared memory to the count the other limits allow:
-# for an earlier version of this kernel, which ran 10 programs of 16 KiB chunks per SM, Nsight
+# The compiler reports what a compiled kernel needs for the first and third limits: registers per
+# thread (``n_regs``) and shared memory per program (``metadata.shared``). Lesson 02's launcher,
+# whose kernel uses almost no shared memory, leaves out the reserved kilobyte. Here it can matter: 7
+# programs of 32 KiB chunks (16,384 bf16 elements) would fit in 228 KiB without it, 6 with it. (The
+# driver then sizes the SM's shared memory to the count the other limits allow: for an earlier
+# version of this kernel, which ran 10 programs of 16 KiB chunks per SM, Nsight
 # Compute showed 200,704 bytes configured: 10 times the program's shared memory and the reserve,
 # rounded up to the next size that the SM offers, 196 KiB.)
 
@@ -407,7 +408,7 @@ def shared_split_row_softmax(x, chunk=None):
 
 # Which kernel and chunk ``long_softmax`` runs is measured, not argued: ``tools/tune.py shared-row``
 # times this kernel with chunks of 8 to 64 KiB beside lesson 02's registers kernel, per dtype and row
-# length, on :math:`M = 4096` rows, and writes the fastest into the table below (``None`` where lesson
+# length, on M = 4096 rows, and writes the fastest into the table below (``None`` where lesson
 # 02's kernel won), with the GPU and versions that produced it. fp16 moves the same bytes as bf16 and
 # takes its entries; a row length takes the entry of the nearest measured length at or above it (the
 # longest beyond). Rows up to lesson 02's ``ROW_ON_CHIP_LIMIT`` stay with its row-on-chip kernel,
@@ -478,9 +479,10 @@ if __name__ == "__main__":
             print(f"{str(dtype)[6:]:>8s}: values and gradients match float64 at 5 shapes")
 
 # %%
-# The count of programs against CUDA's: for bf16 rows of 65,536 elements, in chunks of 8,192 (where
-# registers set the count) and of 16,384 (where shared memory does, with the reserved kilobyte), the
-# grid that this lesson's count allows, launched cooperatively, then one group more.
+# This lesson's count of programs against CUDA's: for bf16 rows of 65,536 elements, in chunks of
+# 8,192 elements (16 KiB, where registers set the count) and of 16,384 (32 KiB, where shared memory
+# does, with the reserved kilobyte), the cell launches cooperatively the grid that the count allows,
+# then tries one group more (a group being the programs that share one row).
 
 if __name__ == "__main__" and reason is None:
     x = torch.randn(1024, 65536, device=DEVICE, dtype=torch.bfloat16)
@@ -581,7 +583,8 @@ if __name__ == "__main__":
         print("These are interpreter timings: the ratios measure NumPy on the CPU, not GPU kernels.")
     FUSED.save_results("10-long-softmax-gluon", [{
         "name": f"long-row softmax, M = {M}", "unit": "GB/s", "ceiling_name": "copy bandwidth",
-        "ceiling": copy_gbs, "ours": [name for name in (SHARED, CHOICE) if name in table.columns], "peers": peers,
+        "ceiling": copy_gbs, "ceiling_per_case": FUSED.SAME_SIZE_COPY,
+        "ours": [name for name in (SHARED, CHOICE) if name in table.columns], "peers": peers,
         "rows": results.to_dict("records")}])
 
 # %%
