@@ -193,6 +193,10 @@ PAST_THE_EDGE = """() => [...document.querySelectorAll('.prev-next-area *')]
 # How far the article column scrolls sideways: code cells and tables scroll inside their own boxes.
 WIDE_ARTICLE = """() => { const a = document.querySelector('.bd-article-container');
   return a ? a.scrollWidth - a.clientWidth : 0; }"""
+# Whether the performance summary fits its column: at a phone's width each of its rows is a card.
+SUMMARY_FITS = """() => { const t = document.querySelector('table.perf-summary-cards');
+  const box = t && t.closest('.pst-scrollable-table-container') || t;
+  return !!t && t.scrollWidth <= t.clientWidth + 1 && box.scrollWidth <= box.clientWidth + 1; }"""
 # Each plot as [src, loaded, natural width, shown width].
 PLOTS = """() => [...document.querySelectorAll('img.sphx-glr-single-img, img.sphx-glr-multi-img')]
   .map(img => [img.getAttribute('src'), img.complete, img.naturalWidth, img.getBoundingClientRect().width])"""
@@ -229,6 +233,9 @@ def test_page_reads_well_offline(served_site, browser, path, width):
         typeset = page.evaluate(TYPESET)
         assert all(typeset), f"{typeset.count(False)} of {len(typeset)} formulas were not typeset"
         assert not page.evaluate(RAW_TEX), "raw TeX on the page"
+
+        if path == "performance.html":
+            assert page.evaluate(SUMMARY_FITS), f"the summary table scrolls sideways at {width} px"
 
         hints = page.evaluate(PLOT_HINTS)
         if width == WIDTHS["phone"]:

@@ -239,6 +239,13 @@ def test_a_case_s_own_ceiling_divides_the_fractions_of_that_case():
     assert [case["kernels"]["mine"]["fraction"] for case in perf_summary.per_case(bench)] == [0.5, 0.3]
 
 
+def test_the_phone_cards_name_the_summary_columns_as_its_header_does():
+    css = (ROOT / "docs" / "_static" / "custom.css").read_text()
+    labels = dict(re.findall(r'perf-summary-cards td:nth-child\((\d+)\)::before \{ content: "(.*?): "; \}', css))
+    header = perf_summary.SUMMARY_HEADER
+    assert [labels.get(str(column)) for column in range(2, len(header) + 1)] == header[1:]
+
+
 def test_a_results_file_carries_its_own_name(tmp_path):
     (tmp_path / "02-other.json").write_text(json.dumps(GOOD_RECORD))
     with pytest.raises(ValueError, match=r"02-other\.json: tutorial:"):

@@ -348,8 +348,8 @@ def load_results(results_dir):
     return results
 
 
-def _table(header, rows):
-    table = nodes.table(classes=["perf-summary"])
+def _table(header, rows, classes=("perf-summary",)):
+    table = nodes.table(classes=list(classes))
     group = nodes.tgroup(cols=len(header))
     table += group
     group.extend(nodes.colspec(colwidth=1) for _ in header)
@@ -419,7 +419,8 @@ class PerfSummary(Directive):
                         f"worst {format_fraction(worst[0])} ({_case_text(worst[1])})",
                         ceiling_cell(bench),
                     ])
-        out.append(_table(SUMMARY_HEADER, rows))
+        # On a phone each row of the summary shows as a card, a line per column (custom.css).
+        out.append(_table(SUMMARY_HEADER, rows, ("perf-summary", "perf-summary-cards")))
         out.extend(nodes.paragraph(text=sentence) for sentence in ceiling_ranges(results))
         for result in results:
             for bench in result["benchmarks"]:
