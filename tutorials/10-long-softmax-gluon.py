@@ -489,9 +489,12 @@ if __name__ == "__main__" and reason is None:
     for chunk in (8192, 16384):
         for extra in (0, 1):
             programs, limits, launch = counted_grid(x, chunk, extra)
-            what = (f"chunks of {chunk}: {programs} programs ({min(limits.values())} per SM, set by "
-                    f"{min(limits, key=limits.get)})" if extra == 0 else
-                    f"chunks of {chunk}: {programs} programs (one group of {x.shape[1] // chunk} more)")
+            if extra == 0:
+                counted = programs
+                what = (f"chunks of {chunk}: {programs} programs ({min(limits.values())} per SM, set by "
+                        f"{min(limits, key=limits.get)})")
+            else:
+                what = f"chunks of {chunk}: {programs} programs (one group of {programs - counted} more)"
             try:
                 right = torch.allclose(launch().double(), torch.softmax(x.double(), dim=1),
                                        rtol=LONG.TOLERANCE[x.dtype], atol=0)
