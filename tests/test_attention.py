@@ -11,10 +11,10 @@ from lessons import ROOT, load
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
 
-V1, V2 = load("04-fused-attention-v1"), load("05-fused-attention-v2-forward")
-V2_BWD = load("06-fused-attention-v2-backward")
-HOPPER_FWD, HOPPER = load("07-hopper-forward-gluon"), load("09-hopper-backward-gluon")
-PROFILE = load("08-hopper-forward-profiled")
+V1, V2 = load("05-fused-attention-v1"), load("06-fused-attention-v2-forward")
+V2_BWD = load("07-fused-attention-v2-backward")
+HOPPER_FWD, HOPPER = load("11-hopper-forward-gluon"), load("13-hopper-backward-gluon")
+PROFILE = load("12-hopper-forward-profiled")
 
 
 def gluon_where_it_runs(attention):
@@ -32,12 +32,12 @@ VERSIONS = {"v1": V1.attention, "v2": V2_BWD.attention, "v2-atomic-dq": partial(
 DEVICE = V2.DEVICE  # the lessons run where Triton does: the GPU if there is one
 ON_HOPPER = V2.ON_GPU and torch.cuda.get_device_capability()[0] == 9
 if ON_HOPPER:
-    # Lessons 07 and 09 run their Gluon kernels here: the Gluon forward with the two-pass backward,
+    # Lessons 11 and 13 run their Gluon kernels here: the Gluon forward with the two-pass backward,
     # the Gluon forward and backward, and the Gluon forward with the two-pass backward asked for.
     VERSIONS["hopper-forward"] = HOPPER_FWD.attention
     VERSIONS["hopper"] = HOPPER.attention
     VERSIONS["hopper-two-pass-backward"] = partial(HOPPER.attention, atomic_dq=False)
-    # The tables pick lesson 05's kernels for sequences as short as the tests': these insist on Gluon.
+    # The tables pick lesson 06's kernels for sequences as short as the tests': these insist on Gluon.
     VERSIONS["hopper-forward-gluon"] = gluon_where_it_runs(HOPPER_FWD.attention)
     VERSIONS["hopper-gluon"] = gluon_where_it_runs(HOPPER.attention)
 # Max error over the largest reference value (at least 1: with one key, dQ and dK are exactly 0).
@@ -190,7 +190,7 @@ def test_bad_warp_specialized_flag_is_refused(attention):
 @pytest.mark.parametrize("attention", [HOPPER_FWD.attention, HOPPER.attention], ids=["hopper-forward", "hopper"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_hopper_lessons_fall_back_to_the_portable_kernels(attention, causal, rng):
-    """Off Hopper (and for what TMA cannot load), lessons 07 and 09 must still compute attention."""
+    """Off Hopper (and for what TMA cannot load), lessons 11 and 13 must still compute attention."""
     q, k, v = (randn((1, 2, 70, 32), torch.float16, rng) for _ in range(3))  # head dim 32: never Gluon
     check(attention, q, k, v, causal, rng)
 
@@ -572,7 +572,7 @@ def test_the_forward_lesson_has_the_same_forward_and_says_where_the_backward_is(
     q, k, v = (randn((2, 3, 77, 64), torch.float16, rng).requires_grad_() for _ in range(3))
     out = V2.attention(q, k, v, True, 0.125)
     assert torch.equal(out, V2_BWD.attention(q, k, v, True, 0.125))
-    with pytest.raises(NotImplementedError, match="06-fused-attention-v2-backward"):
+    with pytest.raises(NotImplementedError, match="07-fused-attention-v2-backward"):
         out.sum().backward()
 
 
@@ -613,7 +613,7 @@ def _round_robin_schedule(n_m, heads, programs):
 
 
 def test_host_cells_say_what_paced_the_benchmark():
-    """The verdict lessons 08 and 09 print under their host measurements: the host can have paced a call only where
+    """The verdict lessons 12 and 13 print under their host measurements: the host can have paced a call only where
     its host time comes near the L2 write plus its GPU time, all that the benchmark hides; otherwise the page says
     it cannot tell."""
     assert "did not pace" in PROFILE.who_paced(1.0, 0.96, 0.3, 0.28, 0.08)
@@ -627,7 +627,7 @@ def test_host_cells_say_what_paced_the_benchmark():
 
 
 def test_host_times_are_taken_in_turns_and_keep_the_fastest(monkeypatch):
-    """The host cells of lessons 08 and 09 (GPU only) time every call once per round, in turn, and keep each
+    """The host cells of lessons 12 and 13 (GPU only) time every call once per round, in turn, and keep each
     call's fastest."""
     seen, times = [], iter([5.0, 3.0, 9.0, 4.0, 1.0, 2.0])
     monkeypatch.setattr(PROFILE, "host_ms", lambda fn: (seen.append(fn()), next(times))[1])
@@ -651,14 +651,14 @@ def test_the_sweep_takes_host_times_in_turns(monkeypatch):
 
 
 def _events_read(host, gpu, flush, calls):
-    """What do_bench's events read for each call of lesson 08's timeline: the kernel's end less its write's end."""
+    """What do_bench's events read for each call of lesson 12's timeline: the kernel's end less its write's end."""
     _, flushes, kernels = PROFILE.timeline(host, gpu, flush, calls)
     return [start + length - (write_start + write_length)
             for (write_start, write_length), (start, length) in zip(flushes, kernels)]
 
 
 def test_the_pacing_timeline_follows_the_slower_side():
-    """Lesson 08's picture: back to back, calls go at the pace of the slower of host and GPU; behind a flush the
+    """Lesson 12's picture: back to back, calls go at the pace of the slower of host and GPU; behind a flush the
     events around each kernel read its GPU time once the host is ahead, and more when the host is too slow."""
     _, flushes, kernels = PROFILE.timeline(host=1.0, gpu=1.6, flush=0.0, calls=5)
     assert not flushes and [start for start, _ in kernels] == pytest.approx([1.0 + 1.6 * i for i in range(5)])
@@ -778,7 +778,7 @@ def test_negated_views_are_read_as_their_values(version, rng):
     check(VERSIONS[version], torch._neg_view(q), k, torch._neg_view(v), True, rng)
 
 
-# Every public attention: off Hopper, lessons 07 and 09 run their own autograd functions over lesson 05's kernels.
+# Every public attention: off Hopper, lessons 11 and 13 run their own autograd functions over lesson 06's kernels.
 ENTRIES = {**VERSIONS, "hopper-forward": HOPPER_FWD.attention, "hopper": HOPPER.attention}
 
 
@@ -815,7 +815,7 @@ def test_an_output_gradient_that_starts_off_16_bytes(entry, rng):
 @pytest.mark.parametrize("entry", [e for e in ENTRIES if e != "v1"])
 def test_a_small_output_gradient_over_many_keys(entry, rng):
     """dO of order 1e-4 under near-uniform attention over 1,024 keys: v1 divides dO by l (about 1,024) into
-    fp16 subnormals and loses dV (lesson 04 shows it); the later kernels never divide dO, so dV keeps its
+    fp16 subnormals and loses dV (lesson 05 shows it); the later kernels never divide dO, so dV keeps its
     precision. (dQ and dK do not: dS, rounded to fp16 for the tensor cores, is subnormal there too.)"""
     q = (randn((1, 1, 1024, 64), torch.float16, rng) * 0.01).requires_grad_()
     k, v = (randn((1, 1, 1024, 64), torch.float16, rng).requires_grad_() for _ in range(2))
@@ -899,7 +899,7 @@ def check_heads(q, k, v, out, do, D):
             assert_matches(got[b:b + 1, h:h + 1], want, torch.float16, f"{name} at b={b}, h={h}")
 
 
-# The tables that tools/tune.py measured and wrote into lessons 05 to 09.
+# The tables that tools/tune.py measured and wrote into lessons 06, 11 and 13.
 CASES = [(D, causal, bucket) for D in (64, 128) for causal in (False, True) for bucket in V2.TUNED_ON["buckets"]]
 
 

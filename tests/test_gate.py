@@ -11,7 +11,7 @@ def test_a_planted_nan_fails_the_build_by_lesson_and_tensor(site, tmp_path):
     # A copy of the sources with the generated gallery, so that only the changed lesson runs again.
     shutil.copytree(ROOT / "docs", tmp_path / "docs")
     shutil.copytree(TUTORIALS, tmp_path / "tutorials")
-    lesson = tmp_path / "tutorials" / "06-fused-attention-v2-backward.py"
+    lesson = tmp_path / "tutorials" / "07-fused-attention-v2-backward.py"
     source = lesson.read_text()
     backward_end = "    return (dq.to(q.dtype) if atomic_dq else dq), dk, dv\n"
     assert source.count(backward_end) == 1, "the planted NaN needs a new place: the portable backward changed"
@@ -20,4 +20,4 @@ def test_a_planted_nan_fails_the_build_by_lesson_and_tensor(site, tmp_path):
     result = sphinx(tmp_path, tmp_path / "build")
     output = result.stdout + result.stderr
     assert result.returncode != 0, "a NaN in dq did not fail the build"
-    assert "06-fused-attention-v2-backward" in output and "dq is off" in output, output[-3000:]
+    assert "07-fused-attention-v2-backward" in output and "dq is off" in output, output[-3000:]

@@ -1,4 +1,4 @@
-"""Lesson 03's tiled matmul against float64 on fresh random inputs (shapes, layouts, dtypes, offsets past
+"""Lesson 04's tiled matmul against float64 on fresh random inputs (shapes, layouts, dtypes, offsets past
 2**31, bad input), its program order, and the checks of its exercises: each accepts a correct solution
 and rejects known-wrong ones."""
 
@@ -8,7 +8,7 @@ from lessons import load
 
 # Loaded before Triton is imported: the lesson switches the interpreter on where there is no GPU, and
 # Triton's own library functions (tl.cdiv, tl.max, ...) are defined for one mode or the other at import.
-L = load("03-tiled-matmul")
+L = load("04-tiled-matmul")
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402

@@ -8,8 +8,8 @@ from lessons import load
 
 # Loaded before Triton is imported: the lessons switch the interpreter on where there is no GPU, and
 # Triton's own library functions are defined for one mode or the other at import.
-LESSON_01 = load("01-fused-softmax")
-LESSON_02 = load("02-long-softmax")
+LESSON_01 = load("02-fused-softmax")
+LESSON_02 = load("03-long-softmax")
 LESSON_10 = load("10-long-softmax-gluon")
 
 import triton  # noqa: E402
@@ -131,7 +131,7 @@ def test_fused_softmax_refuses_rows_past_its_limit_and_points_to_the_long_row_le
     for N in (LESSON_01.FUSED_LIMIT + 1, 2 ** 20 + 1):  # past 2**20 Triton itself used to raise first
         x = torch.zeros(1, N, device=DEVICE)
         for fn in (LESSON_01.softmax, LESSON_01.softmax_one_row_per_program):
-            with pytest.raises(ValueError, match="02-long-softmax"):
+            with pytest.raises(ValueError, match="03-long-softmax"):
                 fn(x)
     check(LESSON_01.softmax, torch.randn(1, LESSON_01.FUSED_LIMIT))  # the limit itself still runs
 

@@ -1,10 +1,10 @@
 """Sweep the launch choices of the lessons' kernels on a GPU, to pick the defaults the lessons ship.
 
     python tools/tune.py softmax        # tile height, warps, pipelining depth, persistent or not
-    python tools/tune.py split-row      # chunk and warps of lesson 02's row-sharing kernel
-    python tools/tune.py shared-row     # lesson 10's chunk per dtype and row length, or lesson 02's kernel:
+    python tools/tune.py split-row      # chunk and warps of lesson 03's row-sharing kernel
+    python tools/tune.py shared-row     # lesson 10's chunk per dtype and row length, or lesson 03's kernel:
                                         # rewrites the table in lesson 10
-    python tools/tune.py attention      # the tiles of lessons 05 and 06 (one table, in lesson 05), and the
+    python tools/tune.py attention      # the tiles of lessons 06 and 07 (one table, in lesson 06), and the
                                         # fastest forward and backward of 07 and 09: rewrites those tables
     python tools/tune.py attention-paths 1024   # only the forward and backward choices, at these lengths
 
@@ -27,7 +27,7 @@ def bench(fn):
 
 
 def tune_softmax():
-    lesson = load("01-fused-softmax")
+    lesson = load("02-fused-softmax")
     M = 4096
     for dtype in (torch.float32, torch.bfloat16):
         for N in (256, 512, 1024, 2048, 4096, 8192, 12288, 16384):
@@ -63,7 +63,7 @@ def tune_softmax():
 
 
 def tune_split_row():
-    lesson = load("02-long-softmax")
+    lesson = load("03-long-softmax")
     M = 4096
     for dtype in (torch.float32, torch.bfloat16):
         for N in (65536, 131072, 262144):
@@ -85,7 +85,7 @@ def tune_split_row():
 
 
 def tune_shared_row():
-    """Lesson 10's kernel with chunks of 8 to 64 KiB against lesson 02's registers kernel, per dtype and row
+    """Lesson 10's kernel with chunks of 8 to 64 KiB against lesson 03's registers kernel, per dtype and row
     length, fastest of 4 alternating timings; the winner of each case rewritten into lesson 10's table."""
     lesson = load("10-long-softmax-gluon")
     M, table = 4096, {}
@@ -129,7 +129,7 @@ def literal(name, table):
 
 def literal_by_bucket(name, table, expand):
     """A table keyed (*case, N) as Python source, one line per case holding its values in the order of N,
-    wrapped in the lesson's function `expand` (lesson 05's by_bucket) that turns it back into the table."""
+    wrapped in the lesson's function `expand` (lesson 06's by_bucket) that turns it back into the table."""
     rows = {}
     for key, value in sorted(table.items()):
         rows.setdefault(key[:-1], []).append(value)
@@ -184,11 +184,11 @@ HOST_PACED_BELOW_MS = 1.0
 
 def host_times(measured, calls, rounds=3):
     """{key: the host's ms to enqueue one call} for every key of `measured`: 0 for those without a call in
-    `calls` (calls too long for the host to pace); the others by lesson 08's interleaved_host_ms, in rounds
+    `calls` (calls too long for the host to pace); the others by lesson 12's interleaved_host_ms, in rounds
     that take every call in turn, so that a slow spell of the host falls on all the paths alike. Timed one
     path after another, a slow spell had once fallen on one path alone (348 us against 195 to 235 us in
     the other runs) and picked the other backward."""
-    timed = load("08-hopper-forward-profiled").interleaved_host_ms(calls, rounds)
+    timed = load("12-hopper-forward-profiled").interleaved_host_ms(calls, rounds)
     return {key: timed.get(key, 0.0) for key in measured}
 
 
@@ -205,9 +205,9 @@ def fastest_paths(D, causal, N):
     faster forward (Gluon or portable) and the fastest backward (Gluon, two-pass or atomic), each costing the
     slower of its GPU time and the host's time per call, as a user's back-to-back calls see it (on a near-tie,
     the one with less host time: steadiest_of_the_fastest). Prints what it measured."""
-    V1, V2 = load("04-fused-attention-v1"), load("05-fused-attention-v2-forward")
-    V2_BWD = load("06-fused-attention-v2-backward")
-    FWD, HOPPER = load("07-hopper-forward-gluon"), load("09-hopper-backward-gluon")
+    V1, V2 = load("05-fused-attention-v1"), load("06-fused-attention-v2-forward")
+    V2_BWD = load("07-fused-attention-v2-backward")
+    FWD, HOPPER = load("11-hopper-forward-gluon"), load("13-hopper-backward-gluon")
     q, k, v = attention_inputs(D, N)
     case, scale = (D, causal, N), D ** -0.5
     tflops = lambda ms, work=4 * 4 * HEADS[D] * N * N * D * (0.5 if causal else 1.0): work / ms * 1e-9  # noqa: E731
@@ -249,17 +249,17 @@ def fastest_paths(D, causal, N):
 
 
 def tune_attention():
-    """For each head dim, masking and sequence length of lesson 05's benchmark: the GPU time of every tile
-    configuration of each kernel of lessons 05 and 06, then (fewest_configs) one configuration per bucket with
+    """For each head dim, masking and sequence length of lesson 06's benchmark: the GPU time of every tile
+    configuration of each kernel of lessons 06 and 07, then (fewest_configs) one configuration per bucket with
     as few distinct ones as keep every bucket within TIED of its fastest. With those, fastest_paths picks
-    each case's forward and backward. Writes the tables into lessons 05, 07 and 09.
+    each case's forward and backward. Writes the tables into lessons 06, 11 and 13.
 
     Tiles are compared by the kernel's own GPU time, from the profiler: every tile of one kernel costs
     the host the same, and at short lengths the host's time per call varies more on a shared machine
     than the kernels differ."""
-    V1 = load("04-fused-attention-v1")
-    V2, V2_BWD = load("05-fused-attention-v2-forward"), load("06-fused-attention-v2-backward")
-    PROFILE = load("08-hopper-forward-profiled")
+    V1 = load("05-fused-attention-v1")
+    V2, V2_BWD = load("06-fused-attention-v2-forward"), load("07-fused-attention-v2-backward")
+    PROFILE = load("12-hopper-forward-profiled")
     sizes = (1024, 2048, 4096, 8192, 16384)
     # The launchers read the table while it is being filled: each timing below runs one candidate.
     V2.TUNED_ON.clear()
@@ -320,21 +320,21 @@ def tune_attention():
         for causal in (False, True):
             for N in sizes:
                 forward_paths[D, causal, N], backward_paths[D, causal, N] = fastest_paths(D, causal, N)
-    write_block(TUTORIALS / "05-fused-attention-v2-forward.py", "attention",
+    write_block(TUTORIALS / "06-fused-attention-v2-forward.py", "attention",
                 literal("TUNED_ON", V2.TUNED_ON) + literal_by_bucket("TUNED_CONFIGS", V2.TUNED_CONFIGS, "by_bucket"))
-    write_block(TUTORIALS / "07-hopper-forward-gluon.py", "forward paths",
+    write_block(TUTORIALS / "11-hopper-forward-gluon.py", "forward paths",
                 literal_by_bucket("FORWARD_PATHS", forward_paths, "V2.by_bucket"))
-    write_block(TUTORIALS / "09-hopper-backward-gluon.py", "backward paths",
+    write_block(TUTORIALS / "13-hopper-backward-gluon.py", "backward paths",
                 literal_by_bucket("BACKWARD_PATHS", backward_paths, "V2.by_bucket"))
 
 
 def tune_attention_paths(lengths):
     """fastest_paths again at the given sequence lengths only, with the tiles as the lessons hold them, and
-    those entries of lessons 07 and 09's path tables rewritten. For a change to the host's work per call,
+    those entries of lessons 11 and 13's path tables rewritten. For a change to the host's work per call,
     which moves the choice between paths at the shortest lengths and no tile's GPU time; a change to a
     kernel needs the whole sweep."""
-    V2 = load("05-fused-attention-v2-forward")
-    FWD, HOPPER = load("07-hopper-forward-gluon"), load("09-hopper-backward-gluon")
+    V2 = load("06-fused-attention-v2-forward")
+    FWD, HOPPER = load("11-hopper-forward-gluon"), load("13-hopper-backward-gluon")
     buckets = V2.TUNED_ON["buckets"]
     if not lengths or any(N not in buckets for N in lengths):
         sys.exit(f"attention-paths takes sequence lengths among the tables' buckets {buckets}, got {lengths}")
@@ -343,13 +343,13 @@ def tune_attention_paths(lengths):
         for causal in (False, True):
             for N in lengths:
                 forward_paths[D, causal, N], backward_paths[D, causal, N] = fastest_paths(D, causal, N)
-    # The tiles' provenance is lesson 05's TUNED_ON; these entries say their own.
+    # The tiles' provenance is lesson 06's TUNED_ON; these entries say their own.
     note = (f"# N = {', '.join(map(str, lengths))}: tools/tune.py attention-paths, "
             f"{datetime.date.today().isoformat()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
             f"Triton {triton.__version__}")
-    write_block(TUTORIALS / "07-hopper-forward-gluon.py", "forward paths",
+    write_block(TUTORIALS / "11-hopper-forward-gluon.py", "forward paths",
                 [note] + literal_by_bucket("FORWARD_PATHS", forward_paths, "V2.by_bucket"))
-    write_block(TUTORIALS / "09-hopper-backward-gluon.py", "backward paths",
+    write_block(TUTORIALS / "13-hopper-backward-gluon.py", "backward paths",
                 [note] + literal_by_bucket("BACKWARD_PATHS", backward_paths, "V2.by_bucket"))
 
 

@@ -1,8 +1,8 @@
 """
-Hopper IV: long softmax rows in shared memory, in Gluon
-=======================================================
+Hopper: long softmax rows in shared memory, in Gluon
+====================================================
 
-Lesson 02's split-row softmax reads each element of a long row once, yet in bf16 it stays further
+Lesson 03's split-row softmax reads each element of a long row once, yet in bf16 it stays further
 from the copy bandwidth than in fp32, and its section "Registers and bytes in flight, by dtype" says
 why: each program holds its chunk of the row in registers, as fp32 values, until the row's
 statistics arrive, so fewer programs fit on an SM and less of the row is held on chip. This lesson
@@ -25,9 +25,9 @@ You will learn:
 * how far the bytes of the row held per SM explain the speed, measured over chunk sizes, and what
   else counts.
 
-This lesson needs ``02-long-softmax.py`` and ``01-fused-softmax.py`` next to it (the site's zip of
+This lesson needs ``03-long-softmax.py`` and ``02-fused-softmax.py`` next to it (the site's zip of
 all lessons has them): it reuses their checks, backward pass and benchmark harness, and where Gluon
-cannot run (a CPU, or a GPU other than Hopper) its ``long_softmax`` runs lesson 02's. On such a
+cannot run (a CPU, or a GPU other than Hopper) its ``long_softmax`` runs lesson 03's. On such a
 machine this page shows the design and says why the kernel did not run.
 """
 
@@ -87,20 +87,20 @@ def load_sibling(stem):
     return module
 
 
-LONG = load_sibling("02-long-softmax")  # which loads 01-fused-softmax in turn
+LONG = load_sibling("03-long-softmax")  # which loads 02-fused-softmax in turn
 FUSED = LONG.FUSED
 
 # %%
 # Where a waiting program keeps its chunk
 # ---------------------------------------
 # A split-row program reads its chunk, computes the chunk's maximum and sum, publishes them and
-# waits for the other chunks of the row (lesson 02 explains the waiting and its memory ordering).
+# waits for the other chunks of the row (lesson 03 explains the waiting and its memory ordering).
 # Only then can it normalize, so the chunk must stay on the SM through the wait. An H100 SM has two
 # places for it:
 #
-# * **Registers**: 64K 32-bit registers, 256 KiB. Lesson 02's kernel converts each element to fp32
+# * **Registers**: 64K 32-bit registers, 256 KiB. Lesson 03's kernel converts each element to fp32
 #   as it loads it, and the compiler keeps those fp32 values until the normalization, so a bf16
-#   chunk takes twice its bytes. Lesson 02's section "Registers and bytes in flight, by dtype"
+#   chunk takes twice its bytes. Lesson 03's section "Registers and bytes in flight, by dtype"
 #   prints what that leaves: fewer programs per SM in bf16 than in fp32, and so fewer bytes of the
 #   row held per SM.
 # * **Shared memory**: 228 KiB, which holds the 16-bit values as they were read. Triton decides on
@@ -151,7 +151,7 @@ if __name__ == "__main__":
 # %%
 # The kernel
 # ----------
-# The row's programs and their waiting are lesson 02's ``split_row_kernel``; what changes is where the
+# The row's programs and their waiting are lesson 03's ``split_row_kernel``; what changes is where the
 # chunk lives, and how the program keeps its copies in flight.
 #
 # * ``gl.allocate_shared_memory`` gives the program a buffer of ``CHUNK`` elements in the input's
@@ -172,7 +172,7 @@ if __name__ == "__main__":
 #   (``bar.sync`` in the PTX), so each piece waits for its slowest thread.
 # * **One pass before the wait.** The maximum and the sum come from one read of each piece: every
 #   thread keeps a running maximum and a sum rescaled to it for each of its rows of ``VEC``
-#   elements, lesson 02's online softmax, and the combine step merges them at the end. That costs
+#   elements, lesson 03's online softmax, and the combine step merges them at the end. That costs
 #   one exponential per thread-row per piece (one for every 8 bf16 or 4 fp32 elements) on top of one
 #   per element, and saves a whole read of the chunk.
 # * **The next row's copy starts as this one leaves.** The output pass reads each piece once more,
@@ -247,7 +247,7 @@ def shared_split_row_kernel(x_ptr, y_ptr, stats_ptr, arrived_ptr, M, N, x_row_st
                (cols < N) & (first < M), ASYNC)  # a grid with more groups than rows leaves some without one
     for row in range(pid // SPLITS, M, groups):
         row64 = row.to(gl.int64)
-        # Per thread-row, a running maximum and a sum rescaled to it (lesson 02's online softmax). The scale to
+        # Per thread-row, a running maximum and a sum rescaled to it (lesson 03's online softmax). The scale to
         # base 2 comes after the subtraction: a finite x times log2(e) can overflow.
         m = gl.full([LINES], -float("inf"), gl.float32, lines)
         d = gl.zeros([LINES], gl.float32, lines)
@@ -289,9 +289,9 @@ def shared_split_row_kernel(x_ptr, y_ptr, stats_ptr, arrived_ptr, M, N, x_row_st
 # %%
 # How many programs fit
 # ---------------------
-# Every program of a row must run at the same time, or the ones that wait spin forever (lesson 02).
+# Every program of a row must run at the same time, or the ones that wait spin forever (lesson 03).
 # So the launcher starts no more programs than the GPU holds at once. CUDA promises that all programs
-# run together only to a *cooperative* launch (``launch_cooperative_grid=True``, which lesson 02's
+# run together only to a *cooperative* launch (``launch_cooperative_grid=True``, which lesson 03's
 # launcher and this one pass to Triton), and it refuses a grid too large for that with an error, where
 # a plain launch of one program too many would leave a row's last program waiting for an SM that never
 # frees. So the count must be exact: too low leaves room on the SMs unused, too high is refused. After
@@ -305,10 +305,10 @@ def shared_split_row_kernel(x_ptr, y_ptr, stats_ptr, arrived_ptr, M, N, x_row_st
 # * **shared memory**: ``shared_memory_per_multiprocessor`` (228 KiB on Hopper) over the program's
 #   shared memory plus the 1 KiB that CUDA reserves for each program (Nsight Compute lists it as
 #   "Driver Shared Memory Per Block"), in units of 128 bytes;
-# * **programs**: at most 32 per SM on Hopper (lesson 02's ``max_programs_per_sm``).
+# * **programs**: at most 32 per SM on Hopper (lesson 03's ``max_programs_per_sm``).
 #
 # The compiler reports what a compiled kernel needs for the first and third limits: registers per
-# thread (``n_regs``) and shared memory per program (``metadata.shared``). Lesson 02's launcher,
+# thread (``n_regs``) and shared memory per program (``metadata.shared``). Lesson 03's launcher,
 # whose kernel uses almost no shared memory, leaves out the reserved kilobyte. Here it can matter: 7
 # programs of 32 KiB chunks (16,384 bf16 elements) would fit in 228 KiB without it, 6 with it. (The
 # driver then sizes the SM's shared memory to the count the other limits allow: for an earlier
@@ -345,7 +345,7 @@ def shared_unsupported(x):
 
 
 def _shared_args(x, chunk):
-    """The output, the kernel's arguments and compile-time constants for x in chunks of `chunk`: lesson 02's
+    """The output, the kernel's arguments and compile-time constants for x in chunks of `chunk`: lesson 03's
     (the same buffers and arguments), with this kernel's constants added."""
     y, args, meta = LONG._split_row_args(x, chunk)
     # 16-byte copies only where Triton sees every row start and row length as a multiple of 16 elements
@@ -407,11 +407,11 @@ def shared_split_row_softmax(x, chunk=None):
 
 
 # Which kernel and chunk ``long_softmax`` runs is measured, not argued: ``tools/tune.py shared-row``
-# times this kernel with chunks of 8 to 64 KiB beside lesson 02's registers kernel, per dtype and row
+# times this kernel with chunks of 8 to 64 KiB beside lesson 03's registers kernel, per dtype and row
 # length, on M = 4096 rows, and writes the fastest into the table below (``None`` where lesson
 # 02's kernel won), with the GPU and versions that produced it. fp16 moves the same bytes as bf16 and
 # takes its entries; a row length takes the entry of the nearest measured length at or above it (the
-# longest beyond). Rows up to lesson 02's ``ROW_ON_CHIP_LIMIT`` stay with its row-on-chip kernel,
+# longest beyond). Rows up to lesson 03's ``ROW_ON_CHIP_LIMIT`` stay with its row-on-chip kernel,
 # which its page measures faster at 32,768 columns than this kernel measures here.
 SHARED_LENGTHS = (65536, 131072, 262144)
 
@@ -430,14 +430,14 @@ SHARED_CHUNKS = {
 
 def tuned_chunk(x):
     """The chunk (elements per program) that the sweep measured fastest for x's dtype and row length, or
-    None where lesson 02's registers kernel was faster."""
+    None where lesson 03's registers kernel was faster."""
     N = x.shape[1]
     length = next((n for n in SHARED_LENGTHS if N <= n), SHARED_LENGTHS[-1])
     return SHARED_CHUNKS[("float32" if x.dtype == torch.float32 else "bfloat16", length)]
 
 
 def long_softmax(x):
-    """Lesson 02's long_softmax, with the rows that it gives to split-row programs held in shared memory
+    """Lesson 03's long_softmax, with the rows that it gives to split-row programs held in shared memory
     where this kernel can run and the sweep measured it faster."""
     LONG.check_input(x)
     if x.shape[1] > LONG.ROW_ON_CHIP_LIMIT and shared_unsupported(x) is None and tuned_chunk(x) is not None:
@@ -509,16 +509,16 @@ elif __name__ == "__main__":
 # ---------
 # :math:`M = 4096` rows of 32K to 256K elements in GB/s: the shared-memory kernel with its default
 # chunk, this lesson's ``long_softmax`` (the kernel and chunk its table picks for the case), lesson
-# 02's split-row kernel (which lesson 02's ``long_softmax`` runs from 32,769 columns on),
-# ``torch.softmax`` and ``torch.compile``, with lesson 01's harness. A copy of the same tensor
+# 02's split-row kernel (which lesson 03's ``long_softmax`` runs from 32,769 columns on),
+# ``torch.softmax`` and ``torch.compile``, with lesson 02's harness. A copy of the same tensor
 # measured in the same rounds gives the ceiling for each case; the device's copy bandwidth of the
 # other lessons is printed too. Without a Hopper GPU there is no Gluon kernel to time: under the
-# interpreter, a few rows past lesson 02's row-on-chip limit time ``long_softmax``'s fallback beside
+# interpreter, a few rows past lesson 03's row-on-chip limit time ``long_softmax``'s fallback beside
 # ``torch.softmax``.
 
 SHARED = "split row, shared memory (Gluon)"
 CHOICE = "long_softmax (default path)"
-REGISTERS = "split row, registers (lesson 02)"
+REGISTERS = "split row, registers (lesson 03)"
 
 
 def run_benchmark(M, sizes, dtypes):
@@ -551,7 +551,7 @@ if __name__ == "__main__":
         M, sizes = 2, [LONG.ROW_ON_CHIP_LIMIT + 4096]
     dtypes = [torch.float32, torch.bfloat16]
     copy_gbs = FUSED.copy_bandwidth_gbs()
-    print(f"device copy bandwidth (as in lessons 01 and 02), measured now: {copy_gbs:.0f} GB/s")
+    print(f"device copy bandwidth (as in lessons 02 and 03), measured now: {copy_gbs:.0f} GB/s")
     results = pd.DataFrame(run_benchmark(M, sizes, dtypes))
     table = results.pivot_table(index=["dtype", "N"], columns="provider", values="value", sort=False)
 
@@ -580,7 +580,7 @@ if __name__ == "__main__":
                   f"{row[SHARED] / row[REGISTERS]:.2f}x, long_softmax / best PyTorch peer "
                   f"{row[CHOICE] / row[peers].max():.2f}x")
         else:
-            print(f"{dtype:>8s} N = {N:>6d}: long_softmax (lesson 02's fallback here) {row[CHOICE] / copy:.2g}x the "
+            print(f"{dtype:>8s} N = {N:>6d}: long_softmax (lesson 03's fallback here) {row[CHOICE] / copy:.2g}x the "
                   f"same-size copy, {row[CHOICE] / row[peers].max():.2g}x torch.softmax")
     if reason is not None:
         print("These are interpreter timings: the ratios measure NumPy on the CPU, not GPU kernels.")
@@ -594,7 +594,7 @@ if __name__ == "__main__":
 # Bytes held and speed
 # ---------------------
 # The claim of this lesson, tested: the speed rises with how much of the row each SM holds while its
-# programs wait. For bf16 rows of 262,144 elements, the cell compiles lesson 02's kernel and this
+# programs wait. For bf16 rows of 262,144 elements, the cell compiles lesson 03's kernel and this
 # one with chunks of 4K to 32K elements, and for each prints registers per thread, shared memory,
 # programs per SM (by the rule above, with the limit that binds) and so the KiB of the row held on
 # each SM, beside the speed as a share of a same-size copy timed in the same rounds. Bytes per SM
@@ -621,8 +621,8 @@ if __name__ == "__main__" and reason is None:
     _, args, meta = LONG._split_row_args(x, LONG.SPLIT_BYTES // 2)
     kernel = LONG.split_row_kernel.warmup(*args, **meta, num_warps=LONG.SPLIT_WARPS, grid=(1,), **LONG.COOPERATIVE)
     kernel._init_handles()
-    held["registers (lesson 02)"] = (kernel, LONG.SPLIT_WARPS, LONG.SPLIT_BYTES)
-    timers["registers (lesson 02)"] = functools.partial(FUSED.bench_ms, functools.partial(LONG.split_row_softmax, x))
+    held["registers (lesson 03)"] = (kernel, LONG.SPLIT_WARPS, LONG.SPLIT_BYTES)
+    timers["registers (lesson 03)"] = functools.partial(FUSED.bench_ms, functools.partial(LONG.split_row_softmax, x))
     ms = FUSED.fastest_of_rounds(timers)
     points, how_held = [], {}
     for name, (kernel, warps, chunk_bytes) in held.items():
@@ -642,7 +642,7 @@ if __name__ == "__main__" and reason is None:
         for kib in sorted({kib for kib, _, _ in points})))
     tuned = SHARED_CHUNKS[("bfloat16", N)]
     best = max(points, key=lambda point: point[1])
-    print(f"The table's choice at this length: {f'shared, {tuned} per program' if tuned else 'lesson 02'}; the fastest "
+    print(f"The table's choice at this length: {f'shared, {tuned} per program' if tuned else 'lesson 03'}; the fastest "
           f"here: {best[2]} at {best[1]:.1%}")
     points.sort()  # by KiB held per SM, then speed: from the bottom bar (least held) up
     fig, ax = plt.subplots(figsize=(7, 0.6 * len(points) + 1.4))
@@ -677,7 +677,7 @@ elif __name__ == "__main__":
 #    check masks the first half of each input's last row), then time it against
 #    ``shared_split_row_softmax`` with the same chunk at each length of the benchmark.
 # 2. **One bulk copy per chunk.** Hopper's TMA copies a whole box with one instruction from one
-#    thread (lesson 07 shows tensor descriptors, ``mbarrier`` and the TMA load from
+#    thread (lesson 11 shows tensor descriptors, ``mbarrier`` and the TMA load from
 #    ``gluon.language.nvidia.hopper``: ``tma.async_load``, called ``async_copy_global_to_shared``
 #    in Triton 3.6). View a row of :math:`N` elements as an
 #    :math:`(N / 256) \times 256` matrix, load each chunk as one box, and handle the rows whose

@@ -1,8 +1,8 @@
 """
-Hopper III: the FlashAttention-3 backward in Gluon
-==================================================
+Hopper: the FlashAttention-3 backward in Gluon
+==============================================
 
-The portable backward of lesson 06 executes seven matrix products per pair of blocks where five
+The portable backward of lesson 07 executes seven matrix products per pair of blocks where five
 would do, or five with one atomic addition per element of :math:`dQ`. FlashAttention-3's backward
 keeps the five products and makes the additions cheap: :math:`dS` shared between two warp groups
 through shared memory, and :math:`dQ` summed by the TMA engine in bulk. This lesson writes it in
@@ -18,10 +18,10 @@ You will learn:
   of them;
 * how to find where a backward's time goes with the CUDA profiler, kernel by kernel.
 
-This lesson needs lessons 04 to 08 next to it (``04-fused-attention-v1.py`` to
-``08-hopper-forward-profiled.py``; the site's zip of all lessons has them): it runs lesson 07's
-forward, reuses lesson 06's preprocess, lesson 08's host and GPU timers and the earlier lessons'
-checks and benchmark helpers, and falls back to lesson 06's backward where Gluon cannot run. On
+This lesson needs lessons 05 to 07, 11 and 12 next to it (``05-fused-attention-v1.py`` to
+``12-hopper-forward-profiled.py``; the site's zip of all lessons has them): it runs lesson 11's
+forward, reuses lesson 07's preprocess, lesson 12's host and GPU timers and the earlier lessons'
+checks and benchmark helpers, and falls back to lesson 07's backward where Gluon cannot run. On
 such a machine this page still shows the design and the portable kernels' numbers, and says why the
 Gluon kernel did not run.
 """
@@ -83,8 +83,8 @@ def load_sibling(stem):
     return module
 
 
-V2, V2_BWD = load_sibling("05-fused-attention-v2-forward"), load_sibling("06-fused-attention-v2-backward")
-FWD, PROFILE = load_sibling("07-hopper-forward-gluon"), load_sibling("08-hopper-forward-profiled")
+V2, V2_BWD = load_sibling("06-fused-attention-v2-forward"), load_sibling("07-fused-attention-v2-backward")
+FWD, PROFILE = load_sibling("11-hopper-forward-gluon"), load_sibling("12-hopper-forward-profiled")
 
 # %%
 # Five products, one program per key block
@@ -156,7 +156,7 @@ if __name__ == "__main__":
 # * **Bulk reductions, not element atomics.** One ``red.global.add.f32`` per element of
 #   :math:`dQ` keeps the L2 cache busy with tiny transactions; a TMA reduction sends a whole tile.
 #   Triton 3.6's Gluon can emit the operation but has no Python name for it yet (later versions
-#   call it ``tma.async_atomic_add``), so the lesson defines the builtin itself, the way lesson 07
+#   call it ``tma.async_atomic_add``), so the lesson defines the builtin itself, the way lesson 11
 #   bridges ``async_load``'s two names.
 # * **A bank-conflict-free staging tile.** TMA reads the fp32 tile from shared memory in the
 #   swizzled layout that ``NVMMASharedLayout`` describes, whose rows may be at most 128 bytes: 32
@@ -165,7 +165,7 @@ if __name__ == "__main__":
 #   conflict on every store.
 # * **Registers.** A consumer thread holds :math:`dK` and :math:`dV` for 64 keys (128 registers at
 #   :math:`D = 128`), :math:`S^T` and :math:`dP^T` (64 more), and its :math:`dQ` columns (32), of
-#   the 240 that ``setmaxnreg`` gives it (lesson 07). Whatever does not fit spills to local memory
+#   the 240 that ``setmaxnreg`` gives it (lesson 11). Whatever does not fit spills to local memory
 #   (``ptxas -v`` reports the bytes). Four changes cut the spills: the loader also brings each
 #   query block's :math:`\mathrm{LSE}_2` and :math:`\Delta` into shared memory by TMA (no
 #   pointers, masks or index vectors in the consumers); :math:`P^T` is kept in 16 bits once
@@ -187,7 +187,7 @@ if __name__ == "__main__":
 #   as well measured 0.88x to 1.01x, and was dropped.
 # * **Wide stores, where they pay.** ``wgmma`` leaves each thread pairs of adjacent values of
 #   :math:`dK` and :math:`dV`, so stores straight from its layout are 4 bytes wide. Without the
-#   causal mask the consumers first rearrange them into lesson 07's store layout, 8 adjacent values
+#   causal mask the consumers first rearrange them into lesson 11's store layout, 8 adjacent values
 #   per thread: 16-byte, coalesced stores, the same bits, and 0.99x to 1.13x the speed of storing
 #   straight in an H100 probe (engineering notes, ``df96ead``; most at :math:`N = 1024`, where the
 #   stores weigh most). With the mask, the same change measured 8% to 12% slower at
@@ -197,7 +197,7 @@ if __name__ == "__main__":
 # Where the TMA box crosses the end of the sequence, the loads fill zeros and the reductions skip
 # the rows past :math:`N`, so no query block needs a bounds mask. :math:`dQ` is summed in an fp32
 # buffer and rounded to the input dtype at the end. The order of the additions varies, so
-# :math:`dQ`'s last bits can differ from run to run; ``atomic_dq=False`` asks for lesson 06's
+# :math:`dQ`'s last bits can differ from run to run; ``atomic_dq=False`` asks for lesson 07's
 # two-pass backward, which gives the same bits every time.
 
 from triton.experimental import gluon  # noqa: E402
@@ -347,7 +347,7 @@ def _ws_bwd_consumer(GROUP: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_s
     if CAUSAL:
         out_layout: gl.constexpr = g_layout
     else:
-        # Without the mask, dK and dV leave through the forward's 16-byte store layout (lesson 07); with
+        # Without the mask, dK and dV leave through the forward's 16-byte store layout (lesson 11); with
         # it, the rearrangement cost more than it saved (the text before the kernel gives both).
         out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [4, 1], [1, 0])
         dk = gl.convert_layout(dk, out_layout)
@@ -396,7 +396,7 @@ def attn_bwd_ws_kernel(desc_q, desc_k, desc_v, desc_do, desc_lse, desc_delta, de
     do_full = _ws_barrier_ring(STAGES, 1)
     q_empty = _ws_barrier_ring(STAGES, 2)
     do_empty = _ws_barrier_ring(STAGES, 2)
-    # The argument tuples are written out in the call, as in lesson 07: a tuple stored in a variable
+    # The argument tuples are written out in the call, as in lesson 11: a tuple stored in a variable
     # first would turn CAUSAL and STAGES into run-time values.
     gl.warp_specialize([
         (_ws_bwd_consumer, (0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_full,
@@ -425,7 +425,7 @@ def _ws_backward(q, k, v, do, lse, delta, causal, sm_scale):
     B, H, N, D = q.shape
     if not FWD.tma_loadable(do):
         # A fresh allocation: do.contiguous() returns do itself when it is contiguous but starts off a
-        # 16-byte boundary, which TMA cannot load (lesson 07's exercise "Making a tensor loadable").
+        # 16-byte boundary, which TMA cannot load (lesson 11's exercise "Making a tensor loadable").
         do = torch.empty(do.shape, dtype=do.dtype, device=do.device).copy_(do)
     dq = torch.zeros((B, H, N, D), dtype=torch.float32, device=q.device)
     dk = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
@@ -447,16 +447,16 @@ def _ws_backward(q, k, v, do, lse, delta, causal, sm_scale):
 # %%
 # The launcher and autograd
 # -------------------------
-# Three backwards can follow either forward: this lesson's Gluon kernel, lesson 06's two-pass one
-# and lesson 06's atomic one. Which is fastest depends on the case, so ``attention`` runs the one
+# Three backwards can follow either forward: this lesson's Gluon kernel, lesson 07's two-pass one
+# and lesson 07's atomic one. Which is fastest depends on the case, so ``attention`` runs the one
 # that the sweep (``python tools/tune.py attention``) measured fastest for it, recorded in
-# ``BACKWARD_PATHS``, and the forward that lesson 07's table names. (As there, a path's time is the
+# ``BACKWARD_PATHS``, and the forward that lesson 11's table names. (As there, a path's time is the
 # slower of its GPU time and the host's time per call, and the sweep ran before this build; the line
 # under the benchmark's table counts the cases where this build's timings agree with it.) The
 # arguments can overrule the tables: ``atomic_dq=False`` asks for the two-pass backward, whose
 # :math:`dQ` has the same bits on every run; ``atomic_dq=True`` for an atomic one (the Gluon kernel
-# where it runs, lesson 06's elsewhere); ``warp_specialized=True`` for the Gluon kernels, forward
-# and backward, and ``False`` for lessons 05 and 06's. A case the tables do not cover runs Gluon where it
+# where it runs, lesson 07's elsewhere); ``warp_specialized=True`` for the Gluon kernels, forward
+# and backward, and ``False`` for lessons 06 and 07's. A case the tables do not cover runs Gluon where it
 # can, and otherwise the two-pass backward.
 
 # BEGIN tools/tune.py backward paths: written by the sweep; run it again rather than edit these lines.
@@ -516,9 +516,9 @@ def attention(q, k, v, causal, sm_scale, atomic_dq=None, warp_specialized=None):
     """softmax(q k^T * sm_scale) v with the forward and backward that tools/tune.py measured fastest for the case.
 
     ``atomic_dq``: None lets the measurement choose; False runs the two-pass backward (the same bits every
-    run); True an atomic one (Gluon's TMA reductions on Hopper, lesson 06's atomics elsewhere), whose last
+    run); True an atomic one (Gluon's TMA reductions on Hopper, lesson 07's atomics elsewhere), whose last
     bits vary from run to run. ``warp_specialized``: None lets the measurement choose; True insists on the
-    Gluon kernels, False asks for lessons 05 and 06's."""
+    Gluon kernels, False asks for lessons 06 and 07's."""
     V2.check_inputs(q, k, v, causal, sm_scale)
     q, k, v = V2.resolved(q, k, v)
     ws, path = choose_paths(q, k, v, causal, sm_scale, atomic_dq, warp_specialized)
@@ -537,22 +537,22 @@ if __name__ == "__main__":
     reason = FWD.warp_specialized_unsupported(probe, probe, probe)
     print("The Gluon backward runs here." if reason is None else
           f"The Gluon backward did not run on this machine: {reason}. The checks and timings below are of the "
-          "portable fallback (lessons 05 and 06's kernels).")
-    # At this length the tables pick lesson 06's kernels in some cases (lesson 06 checks them): insist on Gluon.
+          "portable fallback (lessons 06 and 07's kernels).")
+    # At this length the tables pick lesson 07's kernels in some cases (lesson 07 checks them): insist on Gluon.
     FWD.check_every_case(functools.partial(attention, warp_specialized=None if reason else True),
-                         "09-hopper-backward-gluon")
+                         "13-hopper-backward-gluon")
 
 # %%
 # Benchmark
 # ---------
-# The backward pass in TFLOP/s (2.5 times the forward's FLOPs: five products), at lesson 05's
-# sizes, against lesson 06's two-pass backward and SDPA's backends, measured in this run.
+# The backward pass in TFLOP/s (2.5 times the forward's FLOPs: five products), at lesson 06's
+# sizes, against lesson 07's two-pass backward and SDPA's backends, measured in this run.
 
 WS, PORTABLE, ATOMIC = FWD.WS, FWD.PORTABLE, FWD.ATOMIC
 
 
 def backward_providers(q, k, v, causal, D):
-    """The Gluon backward where it runs, and lesson 06's atomic one: the two the table may pick besides the
+    """The Gluon backward where it runs, and lesson 07's atomic one: the two the table may pick besides the
     two-pass backward."""
     providers = V2_BWD.atomic_provider(q, k, v, causal, D)
     if FWD.warp_specialized_unsupported(q, k, v) is None:
@@ -589,13 +589,13 @@ V2.results_table(results) if __name__ == "__main__" else None
 # Computed from the table above, in this run.
 
 if __name__ == "__main__":
-    peers = FWD.against_portable(table, peak, "lesson 06's two-pass backward")
+    peers = FWD.against_portable(table, peak, "lesson 07's two-pass backward")
     if V2.ROUNDS > 1:
         print(V2.spread_summary(results))
     else:
         print("These are interpreter timings: they measure NumPy on the CPU, not GPU kernels.")
     defaults = FWD.default_path(results, table, default_backward, peers, "BACKWARD_PATHS")
-    V2.save_results("09-hopper-backward-gluon", [{
+    V2.save_results("13-hopper-backward-gluon", [{
         "name": "attention backward, " + ("warp-specialized" if WS in table else "no Gluon kernel ran"),
         "unit": "TFLOP/s", "ceiling_name": V2.V1.CEILING_NAME,
         "ceiling": peak, "ours": [FWD.DEFAULT] + [c for c in (WS, PORTABLE, ATOMIC) if c in table], "peers": peers,
@@ -604,17 +604,17 @@ if __name__ == "__main__":
 # %%
 # The host at the smallest size
 # -----------------------------
-# At the smallest size the host's share of a call is largest, for the reason of lesson 08: a
+# At the smallest size the host's share of a call is largest, for the reason of lesson 12: a
 # backward call is a few Python launches (two kernels for the two-pass backward; for the atomic and
 # Gluon ones the preprocess, the main kernel, and zeroing and converting the fp32 :math:`dQ`) after
 # PyTorch's autograd engine, and the host's time to enqueue them can exceed the GPU's time to run
-# them. Whether it does is a measurement: the same split as in lesson 08, for each backward at the
+# them. Whether it does is a measurement: the same split as in lesson 12, for each backward at the
 # smallest size, the host's time per call (the fastest of two interleaved rounds) and the GPU's,
 # from the profiler (both include autograd adding each gradient into ``.grad``), and the time per
 # call that the benchmark above measured. Beside them, the host's floor for any backward written in
 # Python: an autograd function whose backward launches nothing and hands back gradients made
 # beforehand. cuDNN's backward is C++ inside PyTorch and pays no such Python round trip. As in
-# lesson 08, the cell sets our ratio to cuDNN by GPU time beside the benchmark's.
+# lesson 12, the cell sets our ratio to cuDNN by GPU time beside the benchmark's.
 
 
 class _GradientsReady(torch.autograd.Function):
@@ -664,7 +664,7 @@ elif __name__ == "__main__":
 # %%
 # Where the backward's time goes
 # ------------------------------
-# A profile says more than a guess. The CUDA profiler below times each kernel of lesson 06's
+# A profile says more than a guess. The CUDA profiler below times each kernel of lesson 07's
 # two-pass backward over a few passes at :math:`D = 128` and the longest sequence of the sweep,
 # and, knowing how many matrix products each kernel executes, gives each kernel's own multiply
 # rate. On Hopper it then profiles the warp-specialized backward the same way, and last SDPA's
@@ -680,7 +680,7 @@ BACKWARD_PRODUCTS = {"attn_bwd_preprocess_kernel": 0, "attn_bwd_dkdv_kernel": 4,
 
 def backward_kernel_ms(fn, q, k, v, passes=3):
     """{kernel name: GPU milliseconds per backward pass} of every kernel that fn's backward runs, autograd's
-    additions into .grad included (lesson 08's profiler): per kernel, the fastest of ROUNDS profiles, as the
+    additions into .grad included (lesson 12's profiler): per kernel, the fastest of ROUNDS profiles, as the
     benchmark keeps the fastest of its timings."""
     call = V2.V1.backward_call(fn, q, k, v)
     profiles = [PROFILE.kernel_ms(call, passes) for _ in range(V2.ROUNDS)]  # the first call tunes, unprofiled
@@ -773,7 +773,7 @@ elif __name__ == "__main__":
 #    present. Block sizes are powers of two, but either block may be the larger: the kernel's own
 #    ``first + BLOCK_N // BLOCK_M`` holds only where ``BLOCK_M`` divides ``BLOCK_N``. Then
 #    ``check_query_block_range(query_block_range)``.
-# 2. **Counting products.** Write ``products_per_block_pair(atomic_dq)`` for lesson 06's
+# 2. **Counting products.** Write ``products_per_block_pair(atomic_dq)`` for lesson 07's
 #    backward: how many matrix products one (key block, query block) pair costs with and without
 #    atomic :math:`dQ`, counting the :math:`dQ` pass's. Then ``check_products(products_per_block_pair)``.
 

@@ -405,7 +405,7 @@ def save_results(tutorial, benchmarks):
 # A single timing per provider lets chance decide between close providers. At n = 1024 a product
 # takes microseconds, and the host's time to launch it can set the pace: one timing each put grouped
 # order anywhere from 0.4x to 3.2x row-major order across five H100 builds of this page, with the
-# same tile. So, as in lesson 01, on a GPU every provider is timed ROUNDS times in alternating order
+# same tile. So, as in lesson 02, on a GPU every provider is timed ROUNDS times in alternating order
 # (first to last, then last to first), keeps its fastest timing, and is timed again (up to
 # MAX_TIMINGS times) while its two fastest timings differ by more than AGREE.
 ROUNDS = 2 if ON_GPU else 1
@@ -520,7 +520,7 @@ if __name__ == "__main__":
     if not ON_GPU:
         print("These are interpreter timings: they measure NumPy on the CPU, not GPU kernels. The interpreter runs "
               "one program after another and has no L2 to share, so the two orders differ only by noise.")
-    save_results("03-tiled-matmul", [{
+    save_results("04-tiled-matmul", [{
         "name": "fp16 matmul, M = N = K", "unit": "TFLOP/s", "ceiling_name": CEILING_NAME, "ceiling": peak,
         "ours": list(ORDERS), "peers": ["torch.matmul"], "rows": results.to_dict("records")}])
 
@@ -553,7 +553,7 @@ if __name__ == "__main__":
 # **(c) Half of attention.** Write ``matmul_softmax(a, b)`` returning
 # :math:`\mathrm{softmax}(AB)` along rows in fp16, for :math:`N \le 128`: one program owns
 # ``BLOCK_M`` rows and all :math:`N` columns (``BLOCK_N`` is :math:`N` rounded up to a power of two,
-# at least 16), computes the scores with ``tl.dot`` and then the softmax of lesson 01 on them, in
+# at least 16), computes the scores with ``tl.dot`` and then the softmax of lesson 02 on them, in
 # fp32. Columns past :math:`N` must add nothing to the sum. Check it with
 # ``check_matmul_softmax(matmul_softmax)``.
 

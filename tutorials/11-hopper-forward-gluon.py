@@ -1,8 +1,8 @@
 """
-Hopper I: a warp-specialized forward in Gluon
-=============================================
+Hopper: a warp-specialized forward in Gluon
+===========================================
 
-Lesson 05's portable FlashAttention-2 forward has every warp do everything in turn. FlashAttention-3
+Lesson 06's portable FlashAttention-2 forward has every warp do everything in turn. FlashAttention-3
 (Shah et al., 2024) gives a program's warps *roles*: one warp only loads, two warp groups only compute,
 their matrix products overlapping the next block's exponentials. Here it is written for Hopper
 (H100, H200) in Gluon, Triton's lower-level language, and measured beside the portable kernel and cuDNN.
@@ -18,10 +18,10 @@ You will learn:
 * why fp8 needs V stored with the keys contiguous on Hopper, and what fp8 buys;
 * how ``attention`` picks the Gluon or portable forward per case, from a table measured once, on an H100.
 
-Lesson 08 splits this forward's calls into host and GPU time, and measures what one program per SM buys.
-This lesson needs ``04-fused-attention-v1.py`` to ``06-fused-attention-v2-backward.py`` next to it (the
-site's zip of all lessons has them) for lesson 06's backward and the earlier lessons' checks and
-benchmark helpers. Where Gluon cannot run (a CPU, a GPU other than Hopper) it runs lesson 05's portable
+Lesson 12 splits this forward's calls into host and GPU time, and measures what one program per SM buys.
+This lesson needs ``05-fused-attention-v1.py`` to ``07-fused-attention-v2-backward.py`` next to it (the
+site's zip of all lessons has them) for lesson 07's backward and the earlier lessons' checks and
+benchmark helpers. Where Gluon cannot run (a CPU, a GPU other than Hopper) it runs lesson 06's portable
 forward: the page still shows the design and that kernel's numbers, and says why Gluon did not run.
 """
 
@@ -80,8 +80,8 @@ def load_sibling(stem):
     return module
 
 
-V2 = load_sibling("05-fused-attention-v2-forward")  # which loads 04-fused-attention-v1 in turn
-V2_BWD = load_sibling("06-fused-attention-v2-backward")
+V2 = load_sibling("06-fused-attention-v2-forward")  # which loads 05-fused-attention-v1 in turn
+V2_BWD = load_sibling("07-fused-attention-v2-backward")
 
 # %%
 # Who waits for whom in the portable forward
@@ -228,7 +228,7 @@ _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_glo
 #   block is a pair by itself, at half the cost).
 #
 # Consecutive tiles share a head, so programs running at once share its K and V through L2, as with one
-# program per tile. Lesson 08 measures what persistence buys, against this kernel run one per tile.
+# program per tile. Lesson 12 measures what persistence buys, against this kernel run one per tile.
 
 WS_HEAD_DIMS = (64, 128)
 WS_BLOCK_M, WS_BLOCK_N, WS_STAGES = 128, 128, 2
@@ -468,7 +468,7 @@ def _ws_box_layout(rows, D, dtype):
 
 class CheckedDescriptor(TensorDescriptor):
     """A TensorDescriptor without its checks of alignment, strides and box, which cost host time on every call
-    (lesson 08): the launchers describe only tensors they allocated or warp_specialized_unsupported accepted."""
+    (lesson 12): the launchers describe only tensors they allocated or warp_specialized_unsupported accepted."""
 
     def __post_init__(self):
         pass
@@ -491,7 +491,7 @@ def _ws_forward(q, k, v, o, lse, causal, sm_scale, programs=None):
     n_m = V2.host_cdiv(N, WS_BLOCK_M)
     work = (n_m + 1) // 2 * B * H if causal else n_m * B * H  # pairs of tiles, or tiles
     programs = min(programs or _sm_count(q.device.index), work)
-    # Lesson 05's launch plans ("The launcher"): the descriptors hold this call's tensors, so they are passed afresh.
+    # Lesson 06's launch plans ("The launcher"): the descriptors hold this call's tensors, so they are passed afresh.
     V2.launch_planned(
         V2.plan_key(q, k, v), attn_fwd_ws_kernel, (programs,), 6,
         (_ws_descriptor(q, WS_BLOCK_M // 2), _ws_descriptor(k, WS_BLOCK_N), _ws_descriptor(v, WS_BLOCK_N), o, lse,
@@ -506,19 +506,19 @@ def _ws_forward(q, k, v, o, lse, causal, sm_scale, programs=None):
 # Neither forward wins everywhere: the Gluon call's three TMA descriptors cost host time, and its one
 # tile shape is not the best at every head dimension and length, where the portable kernel runs the
 # tiles measured for the case. So ``attention`` follows ``FORWARD_PATHS``, from the sweep that tuned
-# lesson 05's tiles (``python tools/tune.py attention``): it timed both forwards as a user calls them,
+# lesson 06's tiles (``python tools/tune.py attention``): it timed both forwards as a user calls them,
 # each as the slower of its GPU time and the host's time to enqueue a call (back to back, as in
 # training, the slower sets the pace), and kept the faster per case. At :math:`N = 1024` the Gluon
-# call's host time is about its GPU time or more (lesson 08 measures both), so the portable call,
-# lighter on the host, can win with more GPU time. The sweep ran before this build: lesson 05's
+# call's host time is about its GPU time or more (lesson 12 measures both), so the portable call,
+# lighter on the host, can win with more GPU time. The sweep ran before this build: lesson 06's
 # ``TUNED_ON`` says on which GPU, and the comment above the table which rows ``tools/tune.py
 # attention-paths`` measured again later. This page's benchmark
-# hides host time that the table counts (lesson 08 shows how), so the two can disagree at the shortest
+# hides host time that the table counts (lesson 12 shows how), so the two can disagree at the shortest
 # lengths and where two paths are close; the last line under "Reading the numbers" counts where they
 # agree. ``warp_specialized=None`` runs the table's path (Gluon where it can, in cases the table does
 # not cover), ``True`` insists on Gluon (an error says why when it cannot run), ``False`` asks for the
 # portable kernel. Both forwards write the same output and :math:`\mathrm{LSE}_2`, so the backward is
-# lesson 06's two-pass one either way (lesson 09 replaces it on Hopper).
+# lesson 07's two-pass one either way (lesson 13 replaces it on Hopper).
 
 # BEGIN tools/tune.py forward paths: written by the sweep; run it again rather than edit these lines.
 # N = 1024, 2048: tools/tune.py attention-paths, 2026-11-26, NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, Triton 3.6.0
@@ -598,8 +598,8 @@ def attention(q, k, v, causal, sm_scale, warp_specialized=None):
 
 
 def check_every_case(checked, lesson):
-    """Lesson 04's check_against_float64 of `checked` in the cases above, compiled ahead (lesson 04's
-    compile_ahead); prints each case's errors. Lesson 09 checks its backward with it too."""
+    """Lesson 05's check_against_float64 of `checked` in the cases above, compiled ahead (lesson 05's
+    compile_ahead); prints each case's errors. Lesson 13 checks its backward with it too."""
     N = 1000 if ON_GPU else 65
     cases = {(D, dtype, causal): [torch.randn(2, 3, N, D, device=DEVICE, dtype=dtype) for _ in range(3)]
              for D in (64, 128) for dtype in (torch.float16, torch.bfloat16) for causal in (False, True)}
@@ -617,16 +617,16 @@ if __name__ == "__main__":
     probe = torch.empty(1, 1, 8, 64, dtype=torch.float16, device=DEVICE)
     reason = warp_specialized_unsupported(probe, probe, probe)
     print("The Gluon forward runs here." if reason is None else "The Gluon forward did not run on this machine: "
-          f"{reason}. The checks and timings below are of the portable fallback (lesson 05's kernel).")
-    # At this length the tables pick lesson 05's kernel in some cases (lesson 05 checks it): insist on Gluon.
-    check_every_case(functools.partial(attention, warp_specialized=None if reason else True), "07-hopper-forward-gluon")
+          f"{reason}. The checks and timings below are of the portable fallback (lesson 06's kernel).")
+    # At this length the tables pick lesson 06's kernel in some cases (lesson 06 checks it): insist on Gluon.
+    check_every_case(functools.partial(attention, warp_specialized=None if reason else True), "11-hopper-forward-gluon")
 
 # %%
 # fp8 on Hopper: the layout of V
 # -------------------------------
 # Hopper's tensor cores (and Ada's) also multiply 8-bit floats, by the datasheets at twice the fp16 rate
-# (the benchmark below measures what lesson 05's kernel gets of it), and an 8-bit tile is half the bytes
-# to load. Lesson 05's portable forward takes ``float8_e5m2`` inputs as they are: ``tl.dot`` of two fp8
+# (the benchmark below measures what lesson 06's kernel gets of it), and an 8-bit tile is half the bytes
+# to load. Lesson 06's portable forward takes ``float8_e5m2`` inputs as they are: ``tl.dot`` of two fp8
 # tiles accumulates in fp32, :math:`P` is cast to V's dtype before the second product, the output is
 # fp16. What must change is the layout. ``wgmma`` takes an 8-bit tile from shared memory only with the
 # *reduction* axis contiguous (16-bit tiles either way round), and reduces over at least 32 values, so
@@ -652,35 +652,35 @@ if __name__ == "__main__":
             print(f"fp8 forward, causal={causal!s:5}, N={N}: max error {error:.1e} of the largest output")
             # P is rounded to e5m2 before the second product; a wrong layout of V gives errors near 1.
             if not (torch.isfinite(out).all() and error < 0.1):
-                raise AssertionError(f"07-hopper-forward-gluon: fp8 forward is off, error {error:.2e}")
+                raise AssertionError(f"11-hopper-forward-gluon: fp8 forward is off, error {error:.2e}")
     else:
         print("fp8 forward skipped: it needs a GPU with fp8 tensor cores (compute capability 8.9 or newer).")
 
 # %%
 # Benchmark
 # ---------
-# The forward in TFLOP/s at lesson 05's sizes against the portable kernel and SDPA's backends, all
+# The forward in TFLOP/s at lesson 06's sizes against the portable kernel and SDPA's backends, all
 # measured in this run the same way (on a GPU each provider timed twice, in two passes over the cases,
 # more often where the two disagree, the fastest kept), with the fp16 matrix-multiply rate measured now
-# as the ceiling (lesson 05's fp8 forward, also shown, can pass it). Under the interpreter lessons 05
+# as the ceiling (lesson 06's fp8 forward, also shown, can pass it). Under the interpreter lessons 06
 # and 06's kernels stand in for Gluon's, against SDPA's math backend.
 
 WS = "Triton, warp-specialized (Gluon)"
-PORTABLE = "Triton v2 (lessons 05, 06)"
-ATOMIC = V2_BWD.ATOMIC  # lesson 06's atomic backward, which lesson 09's table may choose
+PORTABLE = "Triton v2 (lessons 06, 07)"
+ATOMIC = V2_BWD.ATOMIC  # lesson 07's atomic backward, which lesson 13's table may choose
 DEFAULT = "Triton, default path"
 FP8 = "Triton v2 fp8"
 
 
 def portable_and_sdpa(causal, D):
-    """Lessons 05 and 06's kernels and SDPA's backends: what both Hopper lessons measure themselves against."""
+    """Lessons 06 and 07's kernels and SDPA's backends: what both Hopper lessons measure themselves against."""
     scale = D ** -0.5
     return {PORTABLE: lambda q, k, v: V2_BWD.attention(q, k, v, causal, scale),
             **V2.sdpa_providers(causal, scale, V2.PEERS)}
 
 
 def hopper_benchmark(mode, extra_providers, title):
-    """Lesson 05's cases in one mode (fwd or bwd), plotted: (results, table, peak, cases, sizes)."""
+    """Lesson 06's cases in one mode (fwd or bwd), plotted: (results, table, peak, cases, sizes)."""
     import matplotlib.pyplot as plt
     import pandas as pd
 
@@ -742,7 +742,7 @@ def default_forward(D, causal, N):
 
 
 def hopper_providers(q, k, v, causal, D):
-    """The Gluon forward where it runs; lesson 05's fp8 forward, on fp8 copies, where the GPU has fp8 tensor cores."""
+    """The Gluon forward where it runs; lesson 06's fp8 forward, on fp8 copies, where the GPU has fp8 tensor cores."""
     providers = {}
     if warp_specialized_unsupported(q, k, v) is None:
         providers[WS, "fwd"] = functools.partial(attention, causal=causal, sm_scale=D ** -0.5, warp_specialized=True)
@@ -781,12 +781,12 @@ V2.results_table(results) if __name__ == "__main__" else None
 # attention lessons' ceilings): a kernel within a few percent of it, or past it, is at the ceiling.
 
 if __name__ == "__main__":
-    peers = against_portable(table, peak, "lesson 05's kernel")
+    peers = against_portable(table, peak, "lesson 06's kernel")
     if FP8 in table:
         fp8 = (table[FP8] / table[PORTABLE]).dropna()
         lengths = fp8.index.get_level_values("N")
         shortest, longer = fp8[lengths == lengths.min()], fp8[lengths > lengths.min()]
-        print(f"fp8 forward vs. lesson 05's fp16 forward: {longer.min():.2f}x to {longer.max():.2f}x from "
+        print(f"fp8 forward vs. lesson 06's fp16 forward: {longer.min():.2f}x to {longer.max():.2f}x from "
               f"N = {lengths[lengths > lengths.min()].min()}, where the datasheet's matrix rates differ by 2x: the "
               f"exponentials and the rescaling do not get faster with fp8. At N = {lengths.min()}: "
               f"{shortest.min():.2f}x to {shortest.max():.2f}x (no table covers fp8, so each of its calls goes through "
@@ -796,7 +796,7 @@ if __name__ == "__main__":
     else:
         print("These are interpreter timings: they measure NumPy on the CPU, not GPU kernels.")
     defaults = default_path(results, table, default_forward, peers, "FORWARD_PATHS")
-    V2.save_results("07-hopper-forward-gluon", [{
+    V2.save_results("11-hopper-forward-gluon", [{
         "name": "attention forward, " + ("warp-specialized" if WS in table else "no Gluon kernel ran"),
         "unit": "TFLOP/s", "ceiling_name": V2.V1.CEILING_NAME,
         "ceiling": peak, "ours": [DEFAULT] + [c for c in (WS, PORTABLE) if c in table], "peers": peers,
@@ -809,7 +809,7 @@ if __name__ == "__main__":
 # load (``tma_loadable`` says what that takes), ``t`` itself where it already is, a copy only where not.
 # ``check_tma_ready(tma_ready)`` tries it on contiguous, transposed, sliced, broadcast and misaligned
 # tensors. Watch out: ``t.contiguous()`` returns ``t`` itself whenever it is contiguous, even with data
-# off a 16-byte boundary. (Lesson 08's exercise shares causal tiles between persistent programs.)
+# off a 16-byte boundary. (Lesson 12's exercise shares causal tiles between persistent programs.)
 
 
 def check_tma_ready(fn):

@@ -4,7 +4,7 @@ Fused attention v1: the FlashAttention-1 algorithm
 
 Attention, :math:`O = \\mathrm{softmax}(\\tau\\,QK^T)\\,V` with a scale :math:`\\tau`, computed without ever writing
 the :math:`N \\times N` matrix of scores to memory, as FlashAttention (Dao et al., 2022) first did. That algorithm,
-taught by Triton's 2022 tutorial, is the step from lesson 02's online softmax to FlashAttention-2 (next lesson),
+taught by Triton's 2022 tutorial, is the step from lesson 03's online softmax to FlashAttention-2 (next lesson),
 kept alive here on purpose.
 
 You will learn:
@@ -50,7 +50,7 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 # One query row, one key at a time
 # --------------------------------
 # For a query row :math:`q`, attention averages the value rows :math:`v_j` with weights
-# :math:`\mathrm{softmax}_j(s_j)`, :math:`s_j = q \cdot k_j \cdot \mathrm{scale}`. Lesson 02's online softmax
+# :math:`\mathrm{softmax}_j(s_j)`, :math:`s_j = q \cdot k_j \cdot \mathrm{scale}`. Lesson 03's online softmax
 # rescales its running sum :math:`\ell` whenever the running maximum :math:`m` grows; the weighted sum
 # :math:`a = \sum_j e^{s_j - m} v_j` takes the same factor, so one loop over the keys computes everything:
 #
@@ -354,7 +354,7 @@ def launch(kernel, grid, *args, **kwargs):
 
 
 def compiling_ahead():
-    """Whether compile_ahead is running: lesson 05's launch plans must not keep what such a launch returns."""
+    """Whether compile_ahead is running: lesson 06's launch plans must not keep what such a launch returns."""
     return _compile_only
 
 
@@ -447,7 +447,7 @@ if __name__ == "__main__":
     for causal in (False, True):
         q, k, v = (torch.randn(1, 2, 77, 32, device=DEVICE, dtype=torch.float16) for _ in range(3))
         errors = check_against_float64(attention, q, k, v, causal, 32 ** -0.5,
-                                       f"04-fused-attention-v1, causal={causal}")
+                                       f"05-fused-attention-v1, causal={causal}")
         print(f"causal={causal}, N=77: relative max error " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
 
 # %%
@@ -477,7 +477,7 @@ if __name__ == "__main__":
     print(f"The small gradient's dV is {dv_errors[1e-4] / dv_errors[1.0]:.0f}x as far off as the large one's.")
 
 # %%
-# FlashAttention-2's backward (lesson 06) does not divide :math:`dO`: it recomputes :math:`P` already normalized
+# FlashAttention-2's backward (lesson 07) does not divide :math:`dO`: it recomputes :math:`P` already normalized
 # from the saved log-sum-exp, and its :math:`dV`, of order :math:`10^{-4}` itself, loses a few bits but stays within
 # the fp16 tolerance of this site's tests in this same case (``test_a_small_output_gradient_over_many_keys`` in
 # ``tests/test_attention.py``, not run on this page). Its :math:`dQ` and :math:`dK` do not escape: like Triton's own
@@ -540,8 +540,8 @@ def bench_ms(fn):
 
 
 # Triton compiles a kernel for each new specialization a launch meets (a configuration, a dtype, whether an integer
-# is a multiple of 16), one at a time on one CPU core: 8 s of lesson 04, 41 s of lessons 05 and 06 (one lesson when
-# measured) and 78 s of lesson 07 in a cold run on an H100 host (engineering notes, 2026-11-26). Launches that only
+# is a multiple of 16), one at a time on one CPU core: 8 s of lesson 05, 41 s of lessons 06 and 07 (one lesson when
+# measured) and 78 s of lesson 11 in a cold run on an H100 host (engineering notes, 2026-11-26). Launches that only
 # *warm up* a kernel can compile on a pool of threads (``AsyncCompileMode``, internal in Triton 3.6 and 3.9), so the
 # harness first calls everything it will time once, ``launch`` only compiling; failures are left to the timed call.
 
@@ -706,10 +706,10 @@ def run_benchmark(cases, sizes, providers, modes, extra_providers=None):
 
 
 # One colour and marker per provider on every attention page.
-STYLE = {"Triton v2 (this lesson)": ("#d62728", "o"), "Triton v2 (lessons 05, 06)": ("#d62728", "o"),
+STYLE = {"Triton v2 (this lesson)": ("#d62728", "o"), "Triton v2 (lessons 06, 07)": ("#d62728", "o"),
          "SDPA cuDNN": ("#1f77b4", "s"), "SDPA flash": ("#2ca02c", "^"), "SDPA mem-efficient": ("#bcbd22", "v"),
          "SDPA math": ("#7f7f7f", "v"), "Triton v1 (this lesson)": ("#9467bd", "D"),
-         "Triton v1 (lesson 04)": ("#9467bd", "D"), "Triton v2, atomic dQ": ("#ff7f0e", "P"),
+         "Triton v1 (lesson 05)": ("#9467bd", "D"), "Triton v2, atomic dQ": ("#ff7f0e", "P"),
          "Triton v2 fp8": ("#8c564b", "X"), "Triton, warp-specialized (Gluon)": ("#e377c2", "*")}
 
 
@@ -815,7 +815,7 @@ if __name__ == "__main__":
         print(spread_summary(results))
     else:
         print("These are interpreter timings: they measure NumPy on the CPU, not GPU kernels.")
-    save_results("04-fused-attention-v1", [{
+    save_results("05-fused-attention-v1", [{
         "name": f"attention v1, B={B}, H={H}, D={D}", "unit": "TFLOP/s", "ceiling_name": CEILING_NAME,
         "ceiling": peak, "ours": [OURS], "peers": peers, "rows": results.drop(columns="spread").to_dict("records")}])
 
@@ -850,7 +850,7 @@ if __name__ == "__main__" and ON_GPU:
     gap = case[peers].max() / case[OURS]
     print(f"In the benchmark above (N={N}, D={D}, non-causal) the fastest SDPA backend's backward ran {gap:.1f}x as "
           f"fast as this one. More programs per SM account for {gain:.2f}x of that"
-          + (f"; the other {gap / gain:.1f}x lies in the work each program does, which lesson 06's backward changes "
+          + (f"; the other {gap / gain:.1f}x lies in the work each program does, which lesson 07's backward changes "
              "too (dQ in a pass of its own, not added through memory at every key block)." if gap > 1.05 * gain
              else ", all of it at this size."))
 elif __name__ == "__main__":
@@ -869,7 +869,7 @@ elif __name__ == "__main__":
 # 2. **Merge two partial states.** Split one query row's keys in two, anywhere; each gives a state
 #    :math:`(m, \ell, a)` as above. Write ``merge(state1, state2)`` returning the state of all keys (their maximum,
 #    and sum and unnormalized output relative to it, so it can be merged again and ``a / l`` is the row's output),
-#    then ``check_merge(merge)``: the combine step of lesson 02, and of decoding kernels that split the keys.
+#    then ``check_merge(merge)``: the combine step of lesson 03, and of decoding kernels that split the keys.
 
 
 def check_running_attention(fn):

@@ -18,7 +18,7 @@ You will learn:
 * how to cut the host's cost of a launch where the host, not the GPU, sets the pace;
 * the mistakes that learners' versions of this kernel make, and the tests that catch each one.
 
-This lesson needs ``04-fused-attention-v1.py`` next to it (the site's zip of all lessons has
+This lesson needs ``05-fused-attention-v1.py`` next to it (the site's zip of all lessons has
 both): it reuses that lesson's input checks, its float64 check and its benchmark harness, and
 compares the two versions.
 """
@@ -81,8 +81,8 @@ def load_sibling(stem):
     return module
 
 
-V1 = load_sibling("04-fused-attention-v1")
-# Lesson 04's input checks, float64 check and benchmark harness, under their own names here.
+V1 = load_sibling("05-fused-attention-v1")
+# Lesson 05's input checks, float64 check and benchmark harness, under their own names here.
 check_inputs, resolved, resolved_gradient, reference_attention, check_against_float64 = (
     V1.check_inputs, V1.resolved, V1.resolved_gradient, V1.reference_attention, V1.check_against_float64)
 describe_platform, bench_ms, matmul_tflops, save_results = (
@@ -371,7 +371,7 @@ TUNED_CONFIGS = by_bucket({
 def host_cdiv(a, b):
     """ceil(a / b) for the launchers. triton.cdiv gives the same, but is built to run inside kernels too, and
     from the host every call first unwraps its arguments: microseconds, which count where the host paces the
-    GPU (lesson 08, "Host time and GPU time at the smallest size")."""
+    GPU (lesson 12, "Host time and GPU time at the smallest size")."""
     return -(-a // b)
 
 
@@ -412,7 +412,7 @@ def tuned_case(q, causal):
 # first: it is what a user calls for inference. Its autograd function has no backward yet, and says
 # so when asked for gradients; the next lesson's ``attention`` has one.
 #
-# At short lengths the host's work per call matters as much as the GPU's (lesson 08's section "Host
+# At short lengths the host's work per call matters as much as the GPU's (lesson 12's section "Host
 # time and GPU time at the smallest size" measures both). One large piece is Triton's JIT dispatch:
 # on every call it inspects each of some thirty arguments, to find what the compiled kernel was
 # specialized on (dtypes, integers equal to 1 or divisible by 16, pointers aligned to 16 bytes), and
@@ -452,7 +452,7 @@ def launch_planned(key, kernel, grid, fresh, args, constexprs, **options):
     """kernel[grid](*args, **constexprs, **options): through Triton's JIT the first time this launch is seen,
     then through the plan it leaves. The call site promises that key (plan_key of the inputs) fixes the
     arguments after the first fresh; the kernel, the grid, the constexprs and the options complete the key.
-    Lesson 04's launch() does the rest, and while its compile_ahead runs, only compiles."""
+    Lesson 05's launch() does the rest, and while its compile_ahead runs, only compiles."""
     if key is None or V1.compiling_ahead():
         V1.launch(kernel, grid, *args, **constexprs, **options)
         return
@@ -496,7 +496,7 @@ def forward(q, k, v, causal, sm_scale):
     o = torch.empty((B, H, N, D), dtype=torch.float16 if q.dtype == torch.float8_e5m2 else q.dtype, device=q.device)
     lse = torch.empty((B * H, N), dtype=torch.float32, device=q.device)
     if q.dtype == torch.float8_e5m2 and v.stride(2) != 1 and N > 1:
-        v = keys_contiguous(v)  # lesson 07, "fp8 on Hopper: the layout of V", says why
+        v = keys_contiguous(v)  # lesson 11, "fp8 on Hopper: the layout of V", says why
     _launch(attn_fwd_kernel, FWD_TUNER, "fwd", plan_key(q, k, v), tuned_case(q, causal),
             lambda bm, bn: (host_cdiv(N, bm), B * H), 6, q, k, v, o, lse, sm_scale * LOG2E, H, N,
             host_next_power_of_2(N), *q.stride(), *k.stride(), *v.stride(), *o.stride(), D=D, CAUSAL=causal,
@@ -517,7 +517,7 @@ class _ForwardOnly(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         raise NotImplementedError("this lesson's attention has no backward: the next lesson's attention "
-                                  "(06-fused-attention-v2-backward.py) adds it")
+                                  "(07-fused-attention-v2-backward.py) adds it")
 
 
 def attention(q, k, v, causal, sm_scale):
@@ -532,7 +532,7 @@ def attention(q, k, v, causal, sm_scale):
 # Right after the kernel, before any timing: the forward against float64 PyTorch on fresh random
 # inputs, causal and not, at a sequence length one past a block boundary, and with ``q`` made by
 # transposing a (batch, sequence, heads, dim) tensor, so that its strides are not the contiguous
-# ones. The check is lesson 04's ``check_against_float64``, which fails on NaN or infinity anywhere
+# ones. The check is lesson 05's ``check_against_float64``, which fails on NaN or infinity anywhere
 # and names what is off.
 
 
@@ -542,11 +542,11 @@ if __name__ == "__main__":
     cases = {causal: (torch.randn(B, N, H, D, device=DEVICE, dtype=torch.float16).transpose(1, 2),
                       *(torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16) for _ in range(2)))
              for causal in (False, True)}  # q strided
-    # The kernels the checks launch, compiled first on all CPU cores (lesson 04's compile_ahead).
+    # The kernels the checks launch, compiled first on all CPU cores (lesson 05's compile_ahead).
     V1.compile_ahead(lambda: [attention(*qkv, causal, D ** -0.5) for causal, qkv in cases.items()])
     for causal, (q, k, v) in cases.items():
         errors = check_against_float64(attention, q, k, v, causal, D ** -0.5,
-                                       f"05-fused-attention-v2-forward, causal={causal}", backward=False)
+                                       f"06-fused-attention-v2-forward, causal={causal}", backward=False)
         print(f"causal={causal!s:5}, N={N}: " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
 
 # %%
@@ -576,18 +576,18 @@ if __name__ == "__main__":
 # TFLOP/s of the forward, causal and not, on a GPU at :math:`D = 64` (:math:`B = 4, H = 32`) and
 # :math:`D = 128` (:math:`B = 4, H = 16`), under the interpreter at :math:`B = 1` and a head or two
 # of two short sequences; against PyTorch SDPA's cuDNN and flash backends (the math backend under
-# the interpreter) and the v1 kernel of the previous lesson, with lesson 04's harness. The ceiling
+# the interpreter) and the v1 kernel of the previous lesson, with lesson 05's harness. The ceiling
 # is the matrix-multiply rate measured in this run.
 
 PEERS = ("SDPA cuDNN", "SDPA flash") if ON_GPU else ("SDPA math",)
 OURS = "Triton v2 (this lesson)"
-V1_NAME = "Triton v1 (lesson 04)"
+V1_NAME = "Triton v1 (lesson 05)"
 CASES, SIZES = ([(4, 32, 64), (4, 16, 128)], [1024, 2048, 4096, 8192, 16384]) if ON_GPU else (
     [(1, 2, 64), (1, 1, 128)], [64, 128])
 
 
 def providers_for(causal, D, ours=None):
-    """What this lesson times: its own attention (or `ours`, lesson 06's), the SDPA backends, and v1."""
+    """What this lesson times: its own attention (or `ours`, lesson 07's), the SDPA backends, and v1."""
     scale, ours = D ** -0.5, ours or attention
     providers = {OURS: lambda q, k, v: ours(q, k, v, causal, scale)}
     providers.update(sdpa_providers(causal, scale, PEERS))
@@ -649,7 +649,7 @@ if __name__ == "__main__":
         print(spread_summary(results))
     else:
         print("These are interpreter timings: they measure NumPy on the CPU, not GPU kernels.")
-    save_results("05-fused-attention-v2-forward", [{
+    save_results("06-fused-attention-v2-forward", [{
         "name": "attention v2 fwd", "unit": "TFLOP/s", "ceiling_name": V1.CEILING_NAME, "ceiling": peak,
         "ours": [OURS], "peers": peers, "rows": results.drop(columns="spread").to_dict("records")}])
 

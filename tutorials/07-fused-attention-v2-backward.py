@@ -17,9 +17,9 @@ You will learn:
 * how to hand PyTorch's autograd a forward and a backward of your own;
 * the mistakes that learners' backward passes make, and the tests that catch each one.
 
-This lesson needs ``05-fused-attention-v2-forward.py`` and ``04-fused-attention-v1.py`` next to it
-(the site's zip of all lessons has them): it runs lesson 05's forward, launcher and tile table, and
-lesson 04's checks and benchmark harness.
+This lesson needs ``06-fused-attention-v2-forward.py`` and ``05-fused-attention-v1.py`` next to it
+(the site's zip of all lessons has them): it runs lesson 06's forward, launcher and tile table, and
+lesson 05's checks and benchmark harness.
 """
 
 # %%
@@ -80,13 +80,13 @@ def load_sibling(stem):
     return module
 
 
-V2 = load_sibling("05-fused-attention-v2-forward")  # which loads 04-fused-attention-v1 in turn
+V2 = load_sibling("06-fused-attention-v2-forward")  # which loads 05-fused-attention-v1 in turn
 V1 = V2.V1
 
 # %%
 # The backward, recalled
 # ----------------------
-# Lesson 04 derived the gradients. For one (batch, head), with the scale :math:`s` folded into the
+# Lesson 05 derived the gradients. For one (batch, head), with the scale :math:`s` folded into the
 # scores, the forward is :math:`S = s\,QK^T`, :math:`P = \mathrm{softmax}_\text{rows}(S)`,
 # :math:`O = PV`, and walking back from :math:`dO`:
 #
@@ -101,8 +101,8 @@ V1 = V2.V1
 #
 # What v2 changes is how :math:`P` comes back. v1 saved :math:`m` and :math:`\ell` and, to avoid a
 # division by :math:`\ell` at every tile, divided :math:`dO` by :math:`\ell` in a preprocess kernel
-# (lesson 04 measures what that rounding costs). v2's forward saved one number per row,
-# :math:`\mathrm{LSE}_2 = m + \log_2 \ell` (lesson 05), and each tile of :math:`P` comes back
+# (lesson 05 measures what that rounding costs). v2's forward saved one number per row,
+# :math:`\mathrm{LSE}_2 = m + \log_2 \ell` (lesson 06), and each tile of :math:`P` comes back
 # already normalized, :math:`P = 2^{S \cdot \log_2 e - \mathrm{LSE}_2}`: one ``exp2`` per element,
 # no division, and :math:`dO` used as it is. Then five matrix products per block pair:
 # :math:`QK^T` again, :math:`dV`, :math:`dP`, :math:`dK` and :math:`dQ`, where the forward did two.
@@ -340,15 +340,15 @@ def attn_bwd_dq_kernel(
 # In the :math:`dQ` kernel the roles of the two block sizes swap: it owns the large block (of
 # queries) and walks the small one (of keys), just as the :math:`dK, dV` kernel owns the large
 # block of keys. One list of candidate pairs serves both, and each kernel gets its own measured pick.
-# As in lesson 05, ``UPCAST_DOT`` is for bf16 under the interpreter only.
+# As in lesson 06, ``UPCAST_DOT`` is for bf16 under the interpreter only.
 #
 # The launcher and autograd
 # -------------------------
-# Each kernel runs through lesson 05's launcher: with the configuration that lesson 05's table gives
+# Each kernel runs through lesson 06's launcher: with the configuration that lesson 06's table gives
 # for its case (the table holds this lesson's kernels as ``dq``, ``dkdv`` and ``dkdv-atomic``), with
 # a launch plan after the first call, or, where no measurement applies, with its autotuner's pick.
 # The candidates keep ``BLOCK_M <= BLOCK_N``: the small block is the one walked, the large one the
-# one owned. ``attention`` checks its inputs, and an autograd function calls lesson 05's forward and,
+# one owned. ``attention`` checks its inputs, and an autograd function calls lesson 06's forward and,
 # when PyTorch asks for gradients, the backward. The backward is also a plain function,
 # ``backward``, and its preprocess another, ``backward_delta``: the Hopper lessons reuse them.
 
@@ -372,7 +372,7 @@ DQ_TUNER = V2.autotuned(attn_bwd_dq_kernel, BWD_SHAPES, _prune_bwd, ["D", "CAUSA
 
 def backward_delta(o, do):
     """Delta = rowsum(dO * O) in fp32, shape (B * H, N): the preprocess kernel, for the atomic backward
-    and lesson 09's."""
+    and lesson 13's."""
     B, H, N, D = o.shape
     delta = torch.empty((B * H, N), dtype=torch.float32, device=o.device)
     V2.launch_planned(V2.plan_key(o, do), attn_bwd_preprocess_kernel, (V2.host_cdiv(N, 64), B * H), 3,
@@ -441,7 +441,7 @@ def attention(q, k, v, causal, sm_scale, atomic_dq=False):
 # Right after the kernels, before any timing: the output and all three gradients against float64
 # PyTorch on fresh random inputs, causal and not, both ways of computing :math:`dQ`, at a sequence
 # length one past a block boundary, and with ``q`` made by transposing a (batch, sequence, heads,
-# dim) tensor, so that its strides are not the contiguous ones. The check is lesson 04's
+# dim) tensor, so that its strides are not the contiguous ones. The check is lesson 05's
 # ``check_against_float64``, which fails on NaN or infinity anywhere and names what is off.
 
 
@@ -451,12 +451,12 @@ if __name__ == "__main__":
     cases = {(causal, atomic_dq): (torch.randn(B, N, H, D, device=DEVICE, dtype=torch.float16).transpose(1, 2),
                                    *(torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16) for _ in range(2)))
              for causal in (False, True) for atomic_dq in (False, True)}  # q strided
-    # Every kernel the checks launch, compiled first on all CPU cores (lesson 04's compile_ahead).
+    # Every kernel the checks launch, compiled first on all CPU cores (lesson 05's compile_ahead).
     V1.compile_ahead(lambda: [V1.forward_and_backward(functools.partial(attention, atomic_dq=atomic_dq), *qkv,
                                                       causal, D ** -0.5) for (causal, atomic_dq), qkv in cases.items()])
     for (causal, atomic_dq), (q, k, v) in cases.items():
         errors = V1.check_against_float64(functools.partial(attention, atomic_dq=atomic_dq), q, k, v, causal,
-                                          D ** -0.5, f"06-fused-attention-v2-backward, causal={causal}, "
+                                          D ** -0.5, f"07-fused-attention-v2-backward, causal={causal}, "
                                           f"atomic_dq={atomic_dq}")
         print(f"causal={causal!s:5}, atomic_dq={atomic_dq!s:5}, N={N}: "
               + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
@@ -466,7 +466,7 @@ if __name__ == "__main__":
 # Mistakes learners make, and the test that catches each
 # ------------------------------------------------------
 # Two bugs of from-scratch backwards, and of the published tutorial, each caught by a test in this
-# project's suite (``tests/test_attention.py``); lesson 05 lists those the forward shares:
+# project's suite (``tests/test_attention.py``); lesson 06 lists those the forward shares:
 #
 # * **dO loaded through O's pointers.** A from-scratch backward that reuses the output's pointer
 #   block to load the upstream gradient computes the gradient of the wrong function. It runs, and
@@ -480,8 +480,8 @@ if __name__ == "__main__":
 # Benchmark
 # ---------
 # TFLOP/s of the backward pass (2.5 times the forward's FLOPs: five matrix products where the
-# forward has two), causal and not, at lesson 05's sizes, against PyTorch SDPA's cuDNN and flash
-# backends (the math backend under the interpreter) and the v1 kernel of lesson 04, with lesson
+# forward has two), causal and not, at lesson 06's sizes, against PyTorch SDPA's cuDNN and flash
+# backends (the math backend under the interpreter) and the v1 kernel of lesson 05, with lesson
 # 04's harness. Each provider's forward runs once, outside the timing. The ceiling is the
 # matrix-multiply rate measured in this run.
 
@@ -490,7 +490,7 @@ ATOMIC = "Triton v2, atomic dQ"  # the backward with FlashAttention-2's atomic a
 
 
 def providers_for(causal, D):
-    """What this lesson times: its own backward, the SDPA backends, and v1 (lesson 05's list)."""
+    """What this lesson times: its own backward, the SDPA backends, and v1 (lesson 06's list)."""
     return V2.providers_for(causal, D, ours=attention)
 
 
@@ -554,7 +554,7 @@ if __name__ == "__main__":
         print(V1.spread_summary(results))
     else:
         print("These are interpreter timings: they measure NumPy on the CPU, not GPU kernels.")
-    V1.save_results("06-fused-attention-v2-backward", [{
+    V1.save_results("07-fused-attention-v2-backward", [{
         "name": "attention v2 bwd", "unit": "TFLOP/s", "ceiling_name": V1.CEILING_NAME, "ceiling": peak,
         "ours": [OURS, ATOMIC], "peers": peers, "rows": results.drop(columns="spread").to_dict("records")}])
 
@@ -562,7 +562,7 @@ if __name__ == "__main__":
 # Which tiles ran
 # ---------------
 # The tile shapes behind the benchmark at :math:`D = 128` (``BLOCK_M x BLOCK_N``; the :math:`dQ`
-# kernel owns ``BLOCK_N`` queries and walks ``BLOCK_M`` keys): from lesson 05's table where it
+# kernel owns ``BLOCK_N`` queries and walks ``BLOCK_M`` keys): from lesson 06's table where it
 # covers this GPU's architecture, otherwise the autotuner's picks in this run. A :math:`dK, dV`
 # program with 128 keys keeps two 128 x 128 fp32 accumulators, 128 KiB: spread over 8 warps (256
 # threads) that is 128 of the 255 registers a thread may have, before the tiles in flight. A program
@@ -592,7 +592,7 @@ choices if __name__ == "__main__" and not choices.empty else None
 # 2. **dV alone.** A model that trains only what feeds :math:`V` needs :math:`dV = P^T dO` and
 #    nothing else: no :math:`\Delta`, no :math:`dP`, no :math:`dQ` or :math:`dK`. Write
 #    ``dv_only(q, k, v, do, lse, causal, sm_scale)``, a Triton kernel and its launcher, from the
-#    :math:`dK, dV` kernel above, keeping only what :math:`dV` needs; ``lse`` is what lesson 05's
+#    :math:`dK, dV` kernel above, keeping only what :math:`dV` needs; ``lse`` is what lesson 06's
 #    ``forward`` returns beside :math:`O`. Then ``check_dv_only(dv_only)``. How many matrix products
 #    per block pair are left?
 

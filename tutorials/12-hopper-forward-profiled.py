@@ -1,12 +1,12 @@
 """
-Hopper II: where a short forward's time goes
-============================================
+Hopper: where a short forward's time goes
+=========================================
 
-Lesson 07's benchmark times each call the way ``triton.testing.do_bench`` does, from the GPU's side.
+Lesson 11's benchmark times each call the way ``triton.testing.do_bench`` does, from the GPU's side.
 This lesson takes the calls of that lesson's two forwards apart at the shortest length, where a call
 is a few tens of microseconds of GPU work, with two more clocks: a timer on the host, which measures
 how long Python, the input checks and the launch take to *enqueue* a call, and the CUDA profiler,
-which measures how long the kernels themselves run. Then it measures one design choice of lesson 07
+which measures how long the kernels themselves run. Then it measures one design choice of lesson 11
 on its own: the persistent grid, one program per SM, against one program per tile.
 
 You will learn:
@@ -15,13 +15,13 @@ You will learn:
   the pace of calls made back to back, with a picture of each case;
 * how to measure each: a host timer over calls that are not waited for, the CUDA profiler's kernel
   durations, and ``do_bench``;
-* why ``do_bench``'s clearing of the L2 cache hides host time, and so why lesson 07's path table,
-  which counts host time, can disagree with lesson 07's benchmark at the shortest length;
+* why ``do_bench``'s clearing of the L2 cache hides host time, and so why lesson 11's path table,
+  which counts host time, can disagree with lesson 11's benchmark at the shortest length;
 * what one program per SM buys, measured by launching the same kernel both ways;
 * how to share causal tiles of unequal length evenly between programs, and how much host time a
   benchmark can hide (the exercises).
 
-It needs ``04-fused-attention-v1.py`` to ``07-hopper-forward-gluon.py`` next to it (the site's zip of
+It needs ``05-fused-attention-v1.py`` to ``11-hopper-forward-gluon.py`` next to it (the site's zip of
 all lessons has them). The measurements need a GPU, and the Gluon kernel a Hopper GPU: on a CPU the
 page shows the first picture and the exercises, and says what it skipped.
 """
@@ -83,8 +83,8 @@ def load_sibling(stem):
     return module
 
 
-V2 = load_sibling("05-fused-attention-v2-forward")  # which loads 04-fused-attention-v1 in turn
-FWD = load_sibling("07-hopper-forward-gluon")  # which loads 06-fused-attention-v2-backward
+V2 = load_sibling("06-fused-attention-v2-forward")  # which loads 05-fused-attention-v1 in turn
+FWD = load_sibling("11-hopper-forward-gluon")  # which loads 07-fused-attention-v2-backward
 
 if __name__ == "__main__":
     print(V2.describe_platform())
@@ -169,14 +169,14 @@ if __name__ == "__main__":
 # (exercise 2 finds that limit); the first call hides only host time up to the write, and above the
 # limit each call reads its host time minus the write. The model gives the host no time for
 # enqueueing the write and the events, which ``do_bench`` spends, so the real limit is a little
-# lower. That is why the sweep that wrote lesson 07's path table (``tools/tune.py attention``, or
+# lower. That is why the sweep that wrote lesson 11's path table (``tools/tune.py attention``, or
 # ``attention-paths`` for that table alone) scores each path by the slower of its GPU time and its
 # host time, not by ``do_bench``: at the shortest length a call with more host time can win the
 # benchmark and lose back to back.
 #
 # The benchmark at the smallest size
 # ----------------------------------
-# Lesson 07's forwards and SDPA's backends at lesson 05's shortest length, measured as lesson 07
+# Lesson 11's forwards and SDPA's backends at lesson 06's shortest length, measured as lesson 11
 # measures them, so that the host and GPU times below can be set beside the benchmark's in this run.
 
 WS, PORTABLE = FWD.WS, FWD.PORTABLE
@@ -184,7 +184,7 @@ PROVIDER_OF = {"SDPA cuDNN": "SDPA cuDNN", "portable": PORTABLE, "Gluon": WS}  #
 
 
 def gluon_forward(q, k, v, causal, D):
-    """Lesson 07's Gluon forward, where it can run."""
+    """Lesson 11's Gluon forward, where it can run."""
     if FWD.warp_specialized_unsupported(q, k, v) is not None:
         return {}
     return {(WS, "fwd"): functools.partial(FWD.attention, causal=causal, sm_scale=D ** -0.5, warp_specialized=True)}
@@ -205,7 +205,7 @@ V2.results_table(results) if __name__ == "__main__" and ON_GPU else None
 # -------------------------------------------
 # For each case at that length this cell measures the pieces: the host's time to enqueue one call
 # without waiting for the GPU (the fastest of ten loops of 50 calls, in two rounds taking turns with
-# the other calls, since the host's speed drifts), also with lesson 05's launch plans cleared before
+# the other calls, since the host's speed drifts), also with lesson 06's launch plans cleared before
 # every call, so that each goes through Triton's JIT; the GPU's own time per call (its kernels'
 # durations from the CUDA profiler), for both forwards and for cuDNN; and the write that clears L2.
 # Where our ratio to cuDNN by GPU time agrees with the benchmark's, the host did not pace the
@@ -353,7 +353,7 @@ if __name__ == "__main__" and ON_GPU:
     differ = [f"D={D} {'causal' if causal else 'non-causal'}" for (D, causal), name in paced_pick.items()
               if name != benchmark_pick[D, causal]]
     saved = (ours_only["host, plans cleared (us)"] - ours_only["host (us)"]).astype(float)
-    print(f"Lesson 05's launch plans saved {saved.min():.0f} to {saved.max():.0f} us of host time per call of ours "
+    print(f"Lesson 06's launch plans saved {saved.min():.0f} to {saved.max():.0f} us of host time per call of ours "
           f"here: the column with the plans cleared, where each call goes through Triton's JIT, minus the host column.")
     call_of = {provider: name for name, provider in PROVIDER_OF.items()}
     table_pick = {case: call_of[FWD.default_forward(*case, N)] for case in paced_pick.index}
@@ -361,13 +361,13 @@ if __name__ == "__main__" and ON_GPU:
     print(f"Of our two forwards, the benchmark and the back-to-back pace pick the same one in "
           f"{len(paced_pick) - len(differ)} of {len(paced_pick)} cases" + (f"; not at {', '.join(differ)}" if differ
                                                                           else "") +
-          f". Lesson 07's FORWARD_PATHS, which the sweep wrote before this build, picks the back-to-back one in "
+          f". Lesson 11's FORWARD_PATHS, which the sweep wrote before this build, picks the back-to-back one in "
           f"{agree} of {len(paced_pick)}.")
 
 # %%
 # What one program per SM buys
 # ----------------------------
-# Lesson 07 made its Gluon kernel persistent ("One program per SM" there), so that a program loads
+# Lesson 11 made its Gluon kernel persistent ("One program per SM" there), so that a program loads
 # its next tile while it finishes the last. Here that kernel runs twice, by GPU time per call (the
 # profiler's, as above): with one program per SM, as ``attention`` launches it, and with one program
 # per tile (per pair of tiles under causal masking), close to a kernel that is not persistent, whose
@@ -422,9 +422,9 @@ if __name__ == "__main__" and ON_GPU and persistence:
 #    than an even share of the key blocks plus :math:`n_m` (one tile's worth).
 #    ``check_schedule(schedule)`` tries it at several sizes and prints how close your busiest
 #    program comes to that limit. The tempting answer, tile :math:`t = \mathrm{head} \cdot n_m + m`
-#    (lesson 07's order without causal masking) to program :math:`t \bmod` ``programs``, fails at
+#    (lesson 11's order without causal masking) to program :math:`t \bmod` ``programs``, fails at
 #    the shortest length here (8 blocks, 128 heads, 132 programs): the check says by how much.
-#    Lesson 07's pairs are one answer; longest tile first to the least loaded program is another,
+#    Lesson 11's pairs are one answer; longest tile first to the least loaded program is another,
 #    which a kernel would have to read from a table.
 # 2. **What the benchmark reads.** ``do_bench`` records a CUDA event when the write that clears L2
 #    ends and another when the kernel ends, and reports the time between the two. Write

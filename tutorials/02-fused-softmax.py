@@ -148,7 +148,7 @@ def _prepare(x):
     check_input(x)
     if x.shape[1] > FUSED_LIMIT:
         raise ValueError(f"the fused softmax holds a row in one program's registers: at most {FUSED_LIMIT} "
-                         f"columns, got {x.shape[1]}. For longer rows use the next lesson, 02-long-softmax.py "
+                         f"columns, got {x.shape[1]}. For longer rows use the next lesson, 03-long-softmax.py "
                          "(Softmax over rows too long for one tile).")
     # Conjugate views exist only for complex tensors, which check_input refuses; negative views remain.
     return int32_columns(x.resolve_neg())
@@ -659,7 +659,7 @@ if __name__ == "__main__":
           f"{same.max():.0%}, at least 95% at {(same >= 0.95).sum()} of {len(same)} sizes.")
     if not ON_GPU:
         print("These are interpreter timings: the ratios measure NumPy on the CPU, not GPU kernels.")
-    save_results("01-fused-softmax", [{
+    save_results("02-fused-softmax", [{
         "name": "softmax, M = %d" % M, "unit": "GB/s", "ceiling_name": "copy bandwidth", "ceiling": copy_gbs,
         "ceiling_per_case": SAME_SIZE_COPY, "ours": [PERSISTENT, ONE_ROW], "peers": peers,
         "rows": results.to_dict("records")}])

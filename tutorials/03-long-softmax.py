@@ -20,7 +20,7 @@ You will learn:
 * how to give chunked kernels a backward pass that works for rows of any length;
 * how each compares with ``torch.softmax`` and ``torch.compile``, as fractions of the copy bandwidth.
 
-This lesson needs ``01-fused-softmax.py`` next to it (the site's zip of all lessons has both): for
+This lesson needs ``02-fused-softmax.py`` next to it (the site's zip of all lessons has both): for
 short rows, its ``long_softmax`` runs that lesson's kernel.
 """
 
@@ -82,7 +82,7 @@ def load_sibling(stem):
     return module
 
 
-FUSED = load_sibling("01-fused-softmax")  # for rows short enough to share a program (long_softmax)
+FUSED = load_sibling("02-fused-softmax")  # for rows short enough to share a program (long_softmax)
 
 # %%
 # Why one tile per row stops scaling
@@ -248,12 +248,12 @@ def row_on_chip_kernel(x_ptr, y_ptr, N, x_row_stride, x_col_stride, y_row_stride
 # %%
 # The backward, for rows of any length
 # ------------------------------------
-# Every launcher below returns a tensor that autograd can differentiate, with lesson 01's math: the
+# Every launcher below returns a tensor that autograd can differentiate, with lesson 02's math: the
 # Jacobian of a softmax row is :math:`\operatorname{diag}(y) - y\,y^\top`, so
 # :math:`dx = y \circ \big(dy - \operatorname{rowsum}(dy \circ y)\big)`, which needs only the saved
 # output :math:`y`. A long row no longer fits in registers, so the backward walks it in chunks like
 # the forward: one loop for the dot product of :math:`dy` and :math:`y` (per lane, reduced once), one
-# to write :math:`dx`. This reads :math:`y` and :math:`dy` twice (lesson 01's fused backward reads them
+# to write :math:`dx`. This reads :math:`y` and :math:`dy` twice (lesson 02's fused backward reads them
 # once), but one kernel serves rows of any length, whichever forward produced :math:`y`.
 
 
@@ -287,13 +287,13 @@ def softmax_backward_kernel(y_ptr, dy_ptr, dx_ptr, N, dy_row_stride, dy_col_stri
 # scheduler keeps every SM busy without a persistent loop. Chunks are 4,096 elements on 8 warps (16
 # per thread); tests force tiny ones with ``block_n`` so that the loops run many times. A chunk must
 # be a power of two, like Triton's block shapes: a bad ``block_n`` is refused here by name, not deep
-# in the kernel by the interpreter with a message about ``arange``. As in lesson 01, a
+# in the kernel by the interpreter with a message about ``arange``. As in lesson 02, a
 # *negative view* (``torch._neg_view(x)``, or ``x.conj().imag`` of a complex tensor) is resolved
 # first: it shares memory with the un-negated values, carrying only a flag that a kernel reading raw
-# memory never sees. The autograd wrapper is lesson 01's, with the backward above (``forward``
+# memory never sees. The autograd wrapper is lesson 02's, with the backward above (``forward``
 # saves :math:`y`); calls that want no graph, such as the benchmark's, skip it and pay nothing.
 
-check_input, SUPPORTED_DTYPES = FUSED.check_input, FUSED.SUPPORTED_DTYPES  # lesson 01's, under their own names
+check_input, SUPPORTED_DTYPES = FUSED.check_input, FUSED.SUPPORTED_DTYPES  # lesson 02's, under their own names
 ROW_ON_CHIP_LIMIT = 32768  # longest row (elements) row_on_chip_kernel is launched for
 MAX_BLOCK = 2 ** 20  # the most elements Triton allows in one block
 
@@ -317,7 +317,7 @@ def _check_warps(value):
 def _prepare(x):
     check_input(x)
     # Conjugate views exist only for complex tensors, which check_input refuses; negative views remain.
-    # Lesson 01's int32_columns copies the rare view whose column offsets would pass 32 bits.
+    # Lesson 02's int32_columns copies the rare view whose column offsets would pass 32 bits.
     return FUSED.int32_columns(x.resolve_neg())
 
 
@@ -514,14 +514,14 @@ def split_row_softmax(x, chunk=None, num_warps=None):
     return _differentiable(lambda t: _split_row(t, chunk, num_warps), x)
 
 
-# Up to this row length, lesson 01's ``softmax`` (tiles of several short rows per program, and from its
+# Up to this row length, lesson 02's ``softmax`` (tiles of several short rows per program, and from its
 # ``LONG_ROW`` on its one-row kernel) beats the row-on-chip kernel: on an H100 at 4,096 columns, lesson
 # 01's tiles reached 97% of a same-size copy against 89% in fp32, 99% against 64% in bf16.
 TILE_LIMIT = 8192
 
 
 def long_softmax(x):
-    """The fastest kernel measured for the row length: lesson 01's softmax for short rows, one program per row
+    """The fastest kernel measured for the row length: lesson 02's softmax for short rows, one program per row
     while a row fits in one SM, then programs that share a row (on a GPU) or the two-pass online kernel."""
     check_input(x)
     if x.shape[1] <= TILE_LIMIT:
@@ -563,9 +563,9 @@ if __name__ == "__main__":
 # ---------
 # On a GPU, :math:`M = 4096` rows of 16K to 256K elements (under the interpreter, a few small rows),
 # in GB/s (:math:`2MN \times` element size over time), beside ``torch.softmax``, ``torch.compile``
-# (GPU only) and the copy bandwidth measured in this run, timed with lesson 01's harness.
+# (GPU only) and the copy bandwidth measured in this run, timed with lesson 02's harness.
 
-# Lesson 01's harness under its own names: platform, timing, copy bandwidth, results for the performance page.
+# Lesson 02's harness under its own names: platform, timing, copy bandwidth, results for the performance page.
 describe_platform, bench_ms, fastest_of_rounds, ROUNDS = (
     FUSED.describe_platform, FUSED.bench_ms, FUSED.fastest_of_rounds, FUSED.ROUNDS)
 copy_bandwidth_gbs, save_results = FUSED.copy_bandwidth_gbs, FUSED.save_results
@@ -635,7 +635,7 @@ if __name__ == "__main__":
               f"online vs. three-pass {row['online (two-pass)'] / row['three-pass']:.2f}x")
     if not ON_GPU:
         print("These are interpreter timings: the ratios measure NumPy on the CPU, not GPU kernels.")
-    save_results("02-long-softmax", [{
+    save_results("03-long-softmax", [{
         "name": f"long-row softmax, M = {M}", "unit": "GB/s", "ceiling_name": "copy bandwidth", "ceiling": copy_gbs,
         "ours": list(OURS), "peers": peers, "rows": results.to_dict("records")}])
 
@@ -693,7 +693,7 @@ elif __name__ == "__main__":
 # %%
 # Where a row stops fitting on chip
 # ---------------------------------
-# By lesson 01's register argument (and this lesson's top), a row of 32,768 fp32 values (32 per
+# By lesson 02's register argument (and this lesson's top), a row of 32,768 fp32 values (32 per
 # thread of 1,024) fits with room for temporaries; one of 65,536 (64 per thread) cannot. On a GPU,
 # this cell compiles the row-on-chip kernel with 32 warps for rows of 16,384, 32,768 and 65,536
 # fp32 values (launched directly, past the launcher's limit) and prints the registers and local
