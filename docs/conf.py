@@ -87,6 +87,8 @@ sphinx_gallery_conf = {
     "examples_dirs": str(ROOT / "tutorials"),
     "gallery_dirs": "tutorials",
     "filename_pattern": r"/\d\d-[^/]*\.py$",
+    # The lessons' shared module is no lesson: no page of its own.
+    "ignore_pattern": r"stepkit\.py$",
     "within_subsection_order": "FileNameSortKey",
     "download_all_examples": True,
     # Benchmarks share one GPU: run lessons one after another, never in parallel.

@@ -26,7 +26,7 @@ def test_copies_of_shared_helpers_are_identical(helper):
 
 @pytest.mark.parametrize("lesson", LESSONS)
 def test_importing_a_lesson_runs_nothing_heavy(lesson):
-    code = (f"import importlib.util, time; t = time.perf_counter(); "
+    code = (f"import importlib.util, sys, time; sys.path.insert(0, r'{TUTORIALS}'); t = time.perf_counter(); "
             f"spec = importlib.util.spec_from_file_location('m', r'{TUTORIALS / (lesson + '.py')}'); "
             f"m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
             f"print(time.perf_counter() - t)")

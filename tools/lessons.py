@@ -5,12 +5,16 @@ defines its kernels and launchers and runs no benchmark, so importing is cheap. 
 loaded once per process and kept in ``sys.modules``.
 """
 
-import importlib.util
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TUTORIALS = ROOT / "tutorials"
+
+
+# The lessons import their shared module, stepkit, from the folder they sit in.
+if str(TUTORIALS) not in sys.path:
+    sys.path.insert(0, str(TUTORIALS))
 
 
 def stems():
@@ -19,18 +23,10 @@ def stems():
 
 
 def load(stem):
-    """Import tutorials/<stem>.py once and return the module."""
-    name = "lesson_" + stem.replace("-", "_")
-    if name not in sys.modules:
-        path = TUTORIALS / f"{stem}.py"
-        if not path.is_file():
-            raise FileNotFoundError(f"no lesson {path}: the lessons are {', '.join(stems())}")
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
-    return sys.modules[name]
+    """Import tutorials/<stem>.py once and return the module: the same module
+    that a lesson loading it as a sibling (stepkit.load_lesson) gets."""
+    import stepkit
+
+    if not (TUTORIALS / f"{stem}.py").is_file():
+        raise FileNotFoundError(f"no lesson {stem}.py in {TUTORIALS}: the lessons are {', '.join(stems())}")
+    return stepkit.load_lesson(stem)

@@ -1,0 +1,924 @@
+"""What the lessons share and none of them teaches: the device, loading a sibling
+lesson, timing, ceilings, the results file, plot style, input handling, exercise
+checks and the attention benchmark.
+
+Every lesson imports it in one line, before Triton::
+
+    import stepkit as kit  # picks the device; no GPU: the Triton interpreter
+
+It keeps no state between lessons: Sphinx-Gallery runs them all in one process.
+
+How the lessons time a call (the performance page gives the same definition):
+
+* **GPU time**: the call's launches captured once in a CUDA graph and replayed,
+  with the L2 cache flushed before each replay; CUDA events around each replay.
+  A call that cannot be captured is timed by the CUDA profiler's kernel times.
+* **Back to back**: many calls enqueued in a row from Python, with no flush and
+  no synchronization between them, wall time over their number: what a training
+  or inference loop sees, the slower of the host and the GPU.
+* Every call is warmed up the same way first; a backward is
+  ``torch.autograd.grad(out, inputs, dout)``, so nothing accumulates in ``.grad``;
+  a peer's backend is selected outside the timed region.
+* Each provider is timed in passes over all the cases. Where its timings of one
+  case spread by more than ``SPREAD_LIMIT``, it is timed again, up to
+  ``MAX_PASSES`` times, and then shown as a range.
+* Under the interpreter the time is the fastest of three wall-clock runs: it
+  measures NumPy on the CPU, and only illustrates.
+"""
+
+import contextlib
+import functools
+import itertools
+import json
+import math
+import numbers
+import os
+import platform
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    # Triton reads this when @triton.jit runs: it must be set before any kernel.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import triton  # noqa: E402  (after the interpreter switch, on purpose)
+
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+HERE = Path(__file__).resolve().parent
+
+
+# -- Sibling lessons -------------------------------------------------------
+
+
+def load_lesson(stem):
+    """Another lesson, imported once from the file next to this module: its
+    script, or else its notebook (the site's zips hold one or the other).
+
+    It is imported under a name that is not ``__main__``, so it defines its
+    kernels and runs nothing heavy. ImportError, saying what to download, when
+    neither file is there."""
+    import linecache
+
+    name = "lesson_" + stem.replace("-", "_")
+    if name in sys.modules:
+        return sys.modules[name]
+    path = HERE / f"{stem}.py"
+    if path.exists():
+        source = path.read_text(encoding="utf-8")
+    elif path.with_suffix(".ipynb").exists():
+        path = path.with_suffix(".ipynb")
+        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+        source = "\n".join(
+            "".join(cell["source"]) for cell in cells if cell["cell_type"] == "code"
+        )
+        # Triton reads a kernel's source back through linecache: give it code.
+        linecache.cache[str(path)] = (
+            len(source),
+            None,
+            source.splitlines(keepends=True),
+            str(path),
+        )
+    else:
+        raise ImportError(
+            f"this lesson needs {stem}.py or {stem}.ipynb next to stepkit.py in "
+            f"{HERE}: download all lessons as a zip from the site, or run the "
+            "download step at the top of the notebook"
+        )
+    module = types.ModuleType(name)
+    module.__file__ = str(path)
+    sys.modules[name] = module
+    try:
+        exec(compile(source, str(path), "exec"), module.__dict__)
+    except BaseException:
+        del sys.modules[name]  # a half-run lesson must not be found next time
+        raise
+    return module
+
+
+def tuned_table(name):
+    """One table that ``tools/tune.py`` measured on a GPU and wrote into
+    ``tuned_tables.json`` beside the lessons: {"measured_on": ..., "rows": ...}."""
+    path = HERE / "tuned_tables.json"
+    try:
+        tables = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ImportError(
+            f"{path.name} is missing next to stepkit.py: download all "
+            "lessons as a zip from the site"
+        ) from None
+    if name not in tables:
+        raise KeyError(f"{path.name} has no table {name!r}; it has {sorted(tables)}")
+    return tables[name]
+
+
+# -- What produced the numbers ----------------------------------------------
+
+
+def describe_platform():
+    """What produced the numbers on this page."""
+    versions = f"torch {torch.__version__}, Triton {triton.__version__}"
+    if ON_GPU:
+        return f"GPU: {torch.cuda.get_device_name()} ({versions})"
+    cpu = platform.processor() or platform.machine()
+    return (
+        f"Triton interpreter on CPU ({cpu}; {versions}): these timings "
+        "measure the interpreter, not a GPU"
+    )
+
+
+def save_results(tutorial, benchmarks):
+    """Leave the measured numbers for the "Performance at a glance" page, when
+    the site's build asks for them (docs/_ext/perf_summary.py: the contract)."""
+    out = os.environ.get("TUTORIAL_RESULTS_DIR")
+    if not out:
+        return
+    os.makedirs(out, exist_ok=True)
+    record = {
+        "tutorial": tutorial,
+        "platform": describe_platform(),
+        "on_gpu": ON_GPU,
+        "date": time.strftime("%Y-%m-%d"),
+        "benchmarks": benchmarks,
+    }
+    with open(os.path.join(out, tutorial + ".json"), "w") as f:
+        json.dump(record, f, indent=1)
+
+
+# -- Timing -----------------------------------------------------------------
+
+SPREAD_LIMIT = 0.10  # timings of one case further apart than this are retimed
+PASSES = 2 if ON_GPU else 1
+MAX_PASSES = 4
+WARM_UP_S = 0.05  # every call, every provider: the clocks settle while it runs
+TIMED_S = 0.03  # about this long of calls per timing
+FLUSH_BYTES = 256 << 20  # more than any GPU's L2 cache
+
+
+def warm_up(fn, seconds=WARM_UP_S):
+    """Run fn on the GPU for `seconds`, waiting for each call; return the count.
+
+    While the host compiles, the GPU idles and its clocks drop: a kernel timed
+    right after it compiled would be timed on a cold GPU."""
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        fn()
+        torch.cuda.synchronize()
+        calls += 1
+    return calls
+
+
+class Timer:
+    """How to time one call: ``make()`` prepares it (a backward runs its forward
+    there) and returns the function to repeat; ``context`` is entered around
+    both, outside the timed region (a peer's backend choice, say)."""
+
+    def __init__(self, make, context=contextlib.nullcontext):
+        self.make, self.context = make, context
+
+
+def call_timer(fn, *args, **kwargs):
+    """A Timer for fn(*args, **kwargs); fn.context, if set, is its context."""
+    call = functools.partial(fn, *args, **kwargs)
+    return Timer(lambda: call, getattr(fn, "context", contextlib.nullcontext))
+
+
+def backward_timer(fn, *inputs, **kwargs):
+    """A Timer for the backward pass of fn(*inputs, **kwargs) alone:
+    torch.autograd.grad of its output with a fresh random dout; the forward runs
+    once, in make(), outside the timing."""
+
+    def make():
+        out = fn(*inputs, **kwargs)
+        dout = torch.randn_like(out)
+        return functools.partial(
+            torch.autograd.grad, out, inputs, dout, retain_graph=True
+        )
+
+    return Timer(make, getattr(fn, "context", contextlib.nullcontext))
+
+
+def _median(values):
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return (
+        ordered[middle]
+        if len(ordered) % 2
+        else (ordered[middle - 1] + ordered[middle]) / 2
+    )
+
+
+def _profiled_ms(fn, flush, calls):
+    """GPU milliseconds per call of fn from the CUDA profiler's kernel times.
+    The L2 flush before each call is a bitwise NOT, a kernel no provider runs,
+    so that its time can be left out by name."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the profiler's own set-up
+        activities = [torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as profile:
+            for _ in range(calls):
+                flush.bitwise_not_()
+                fn()
+            torch.cuda.synchronize()
+    total = sum(
+        e.self_device_time_total
+        for e in profile.key_averages()
+        if "bitwise_not" not in e.key
+    )
+    return total / calls / 1e3
+
+
+def gpu_ms(fn, flush, replays):
+    """(median GPU milliseconds of fn over replays, method): the call captured
+    in a CUDA graph and replayed after an L2 flush, events around each replay;
+    the profiler's kernel times where fn cannot be captured. fn's launches must
+    have been warmed up on the current stream's device before."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.stream(stream):
+            fn()  # allocations and lazy set-up on the capture stream, first
+            with torch.cuda.graph(graph, stream=stream):
+                fn()
+    except RuntimeError:  # a call that synchronizes, say, cannot be captured
+        torch.cuda.synchronize()
+        return _profiled_ms(fn, flush, replays), "profiler"
+    torch.cuda.current_stream().wait_stream(stream)
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(replays)
+    ]
+    for start, end in events:
+        flush.zero_()
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    del graph
+    return _median([start.elapsed_time(end) for start, end in events]), "CUDA graph"
+
+
+def back_to_back_ms(fn, calls):
+    """Wall milliseconds per call of fn, calls enqueued in a row, no sync."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e3
+
+
+def wall_ms(fn):
+    """Under the interpreter: the fastest of three wall-clock runs (other
+    processes on a shared CPU only ever add time)."""
+    fn()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * min(times)
+
+
+def time_once(timer, flush=None):
+    """{"b2b": ms, "gpu": ms or None, "gpu_method": ...} for one Timer, once."""
+    with timer.context():
+        fn = timer.make()
+        if not ON_GPU:
+            return {"b2b": wall_ms(fn), "gpu": None, "gpu_method": None}
+        calls = warm_up(fn)
+        per_call_s = WARM_UP_S / max(1, calls)
+        repeats = max(5, min(1000, int(TIMED_S / per_call_s)))
+        gpu, method = gpu_ms(fn, flush, min(repeats, 100))
+        return {"b2b": back_to_back_ms(fn, repeats), "gpu": gpu, "gpu_method": method}
+
+
+class Measured:
+    """The timings of one provider in one case, over the passes."""
+
+    def __init__(self):
+        self.b2b, self.gpu, self.gpu_method = [], [], None
+
+    def add(self, timing):
+        self.b2b.append(timing["b2b"])
+        if timing["gpu"] is not None:
+            self.gpu.append(timing["gpu"])
+            self.gpu_method = timing["gpu_method"]
+
+    @staticmethod
+    def _spread(ms):
+        return max(ms) / min(ms) - 1 if ms else 0.0
+
+    def spread(self):
+        """The larger spread of the two times, as a fraction of the fastest."""
+        return max(self._spread(self.b2b), self._spread(self.gpu))
+
+    def unsettled(self):
+        return len(self.b2b) < MAX_PASSES and self.spread() > SPREAD_LIMIT
+
+    def row(self, work):
+        """Row fields for a rate of `work` per millisecond: value (back to
+        back) and, on a GPU, gpu_value, each with its slowest (a range where
+        the spread passed SPREAD_LIMIT)."""
+        fields = {"value": work / min(self.b2b), "spread": self._spread(self.b2b)}
+        if self.gpu:
+            fields.update(
+                gpu_value=work / min(self.gpu),
+                gpu_spread=self._spread(self.gpu),
+                gpu_method=self.gpu_method,
+            )
+        return fields
+
+
+def measure(timing_cases):
+    """{(case, key): Measured} over what timing_cases() yields, each
+    (case, label, {key: Timer}), in passes over all cases (alternating order).
+
+    A key whose timings spread past SPREAD_LIMIT is timed again in further
+    passes, up to MAX_PASSES; a key failing with RuntimeError in a case is
+    reported and left out of that case. timing_cases() is called once per pass,
+    so a case's inputs live only while it is timed."""
+    measured, failed = {}, set()
+    flush = (
+        torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device=DEVICE)
+        if ON_GPU
+        else None
+    )
+
+    def one_pass(reverse, wanted):
+        for case, label, timers in timing_cases():
+            keys = list(timers)[::-1] if reverse else list(timers)
+            for key in keys:
+                if (case, key) in failed or not wanted(measured.get((case, key))):
+                    continue
+                try:
+                    timing = time_once(timers[key], flush)
+                except RuntimeError as error:  # a backend that cannot run this case
+                    print(
+                        f"{key} skipped at {label}: {str(error).splitlines()[0][:100]}"
+                    )
+                    failed.add((case, key))
+                    measured.pop((case, key), None)
+                    continue
+                measured.setdefault((case, key), Measured()).add(timing)
+
+    for p in range(PASSES):
+        one_pass(p % 2 == 1, lambda m: True)
+    while any(m.unsettled() for m in measured.values()):
+        one_pass(False, lambda m: m is not None and m.unsettled())
+    return measured
+
+
+def time_calls(calls):
+    """{name: Measured} for {name: Timer} of one case, timed as measure() does."""
+    found = measure(lambda: iter([(None, "", calls)]))
+    return {key: m for (_, key), m in found.items()}
+
+
+def shown_rate(value, slowest=None):
+    """A rate as a page shows it: three significant digits under the
+    interpreter, whole numbers on a GPU, a range where timings spread."""
+
+    def fmt(v):
+        return f"{v:.3g}" if not ON_GPU or v < 100 else f"{v:.0f}"
+
+    if slowest is not None and value > (1 + SPREAD_LIMIT) * slowest:
+        return f"{fmt(slowest)}–{fmt(value)}"
+    return fmt(value)
+
+
+# -- Ceilings ----------------------------------------------------------------
+
+
+def copy_gbs(src):
+    """GB/s (bytes read + written) of copying src into a tensor like it,
+    by GPU time (back to back under the interpreter)."""
+    dst = torch.empty_like(src)
+    m = time_calls({"copy": call_timer(dst.copy_, src)})["copy"]
+    ms = min(m.gpu) if m.gpu else min(m.b2b)
+    return 2 * src.numel() * src.element_size() / ms * 1e-6
+
+
+def copy_bandwidth_gbs():
+    """Device copy bandwidth on a buffer far larger than the caches."""
+    n = (256 << 20) if ON_GPU else (8 << 20)
+    return copy_gbs(torch.randn(n // 4, device=DEVICE))
+
+
+MATMUL_CEILING = (
+    "torch.matmul, 8192 x 8192 fp16"
+    if ON_GPU
+    else "torch.matmul, 256 x 256 fp32 on the CPU"
+)
+
+
+def matmul_tflops():
+    """The device's fp16 matrix-multiply rate, by GPU time, after a second of
+    multiplies: the clocks that a GPU keeps under load, which the benchmarks'
+    kernels, run one after another, meet too."""
+    n = 8192 if ON_GPU else 256
+    dtype = torch.float16 if ON_GPU else torch.float32
+    a, b = (torch.randn(n, n, device=DEVICE, dtype=dtype) for _ in range(2))
+    if ON_GPU:
+        warm_up(lambda: a @ b, seconds=1.0)
+    m = time_calls({"matmul": call_timer(torch.matmul, a, b)})["matmul"]
+    ms = min(m.gpu) if m.gpu else min(m.b2b)
+    return 2 * n**3 / ms * 1e-9
+
+
+# -- Plot style ----------------------------------------------------------------
+
+# One colour and marker per provider on every page.
+STYLE = {
+    "copy of the same bytes": ("#7f7f7f", "."),
+    "torch.softmax": ("#1f77b4", "s"),
+    "torch.compile": ("#2ca02c", "^"),
+    "naive PyTorch": ("#bcbd22", "v"),
+    "cuBLAS (torch.matmul)": ("#1f77b4", "s"),
+    "SDPA cuDNN": ("#1f77b4", "s"),
+    "SDPA flash": ("#2ca02c", "^"),
+    "SDPA mem-efficient": ("#bcbd22", "v"),
+    "SDPA math": ("#7f7f7f", "v"),
+    "FlexAttention": ("#17becf", "h"),
+}
+OURS_COLORS = ["#d62728", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
+
+
+def style(name, ours=()):
+    """(colour, marker) of a provider: a peer's from STYLE, ours (Triton's and
+    Gluon's) in the order the lesson lists them."""
+    if name in STYLE:
+        return STYLE[name]
+    if name in ours:
+        return OURS_COLORS[list(ours).index(name) % len(OURS_COLORS)], "o"
+    return "#17becf", "."
+
+
+def plot_style():
+    """Figure text sized for a page column about 710 px wide (8 in at 100 dpi)."""
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update(
+        {
+            "font.size": 10,
+            "axes.titlesize": 11,
+            "legend.fontsize": 10,
+            "xtick.labelsize": 10,
+            "ytick.labelsize": 10,
+        }
+    )
+
+
+# -- Input handling ----------------------------------------------------------
+
+
+def int32_columns(t):
+    """t, or a contiguous copy where a column offset (index times column
+    stride) would pass 2**31: kernels add 32-bit column offsets."""
+    return t.contiguous() if (t.shape[1] - 1) * t.stride(1) >= 2**31 else t
+
+
+def resolved(*tensors):
+    """The tensors with lazy negation or conjugation applied: a kernel reads
+    memory, not those flags."""
+    return tuple(t.resolve_neg().resolve_conj() for t in tensors)
+
+
+def check_device(name, t):
+    if t.device.type != DEVICE.type:
+        raise ValueError(
+            f"{name} is on device '{t.device}', but Triton runs these "
+            f"kernels on '{DEVICE.type}' here"
+        )
+
+
+# -- Exercise checks -----------------------------------------------------------
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def fresh_generator():
+    """A CPU generator seeded afresh: every check draws new inputs."""
+    generator = torch.Generator()
+    generator.seed()
+    return generator
+
+
+def expect_close(exercise, case, what, got, expected, dtype, rtol, atol):
+    """AssertionError naming the exercise, the case and what differs, where got
+    is not a tensor of expected's shape and dtype, or not close (NaN fails)."""
+    if (
+        not isinstance(got, torch.Tensor)
+        or got.shape != expected.shape
+        or got.dtype != dtype
+    ):
+        shown = (
+            f"{tuple(got.shape)} {got.dtype}"
+            if isinstance(got, torch.Tensor)
+            else type(got).__name__
+        )
+        raise AssertionError(
+            f"{exercise} on {case}: {what} should be a "
+            f"{tuple(expected.shape)} {dtype} tensor, got {shown}"
+        )
+    try:
+        torch.testing.assert_close(
+            got.double(), expected.double(), rtol=rtol, atol=atol
+        )
+    except AssertionError as error:
+        raise AssertionError(
+            f"{exercise} on {case}: {what} differs from the float64 reference.\n{error}"
+        ) from None
+
+
+def expect_unchanged(exercise, case, name, before, after):
+    if not torch.equal(before, after):
+        raise AssertionError(
+            f"{exercise} on {case}: the function changed its input "
+            f"{name}; it must leave it as it was"
+        )
+
+
+# -- Attention: inputs, reference, checks ------------------------------------
+
+ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
+HEAD_DIMS = (16, 32, 64, 128)
+# The kernels take sm_scale * log2(e) in fp32: past fp32's range it is infinite.
+MAX_SM_SCALE = torch.finfo(torch.float32).max / math.log2(math.e)
+
+
+def fp8_supported():
+    """fp8 matrix multiplies need compute capability 8.9 or newer."""
+    return ON_GPU and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def head_span(t):
+    """Elements between the first and last element of one head of a (B, H, N,
+    D) tensor: the kernels add 64-bit offsets for batch and head, 32-bit ones
+    inside a head."""
+    _, _, n, d = t.shape
+    _, _, row_stride, column_stride = t.stride()
+    return (n - 1) * abs(row_stride) + (d - 1) * abs(column_stride)
+
+
+def resolved_gradient(do):
+    """dO as a backward kernel can read it: a negative view resolved, a head
+    too wide for 32-bit offsets copied."""
+    do = do.resolve_neg()
+    return do.contiguous() if head_span(do) >= 2**31 else do
+
+
+def _check_scale(sm_scale):
+    real = isinstance(sm_scale, numbers.Real) and not (
+        isinstance(sm_scale, bool) or type(sm_scale).__name__ == "bool_"
+    )
+    try:
+        finite = real and math.isfinite(sm_scale)
+    except OverflowError:  # a Python int past float's range
+        finite = True
+    if not finite:
+        raise TypeError(f"sm_scale must be a finite real number, got {sm_scale!r}")
+    if not abs(sm_scale) <= MAX_SM_SCALE:
+        raise ValueError(
+            f"sm_scale must be at most {MAX_SM_SCALE:.3g} in magnitude "
+            f"(the kernels scale the scores in fp32), got {sm_scale!r}"
+        )
+
+
+def check_attention_inputs(q, k, v, causal, sm_scale, fp8=False):
+    """Raise a clear error for anything the attention kernels cannot handle;
+    fp8: float8_e5m2 is accepted, forward only."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must have 4 dimensions (batch, heads, sequence, "
+                f"head_dim), got shape {tuple(t.shape)}"
+            )
+        check_device(name, t)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"q, k and v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if fp8 and q.dtype == torch.float8_e5m2:
+        if not fp8_supported():
+            raise TypeError(
+                "float8_e5m2 attention needs a GPU with fp8 tensor cores "
+                "(compute capability 8.9+)"
+            )
+        if any(t.requires_grad for t in (q, k, v)):
+            raise TypeError(
+                "float8_e5m2 attention is forward-only: its inputs must "
+                "not require grad"
+            )
+        if q.shape[-1] < 32:
+            raise ValueError(
+                "float8_e5m2 attention needs head dim 32 or more (an "
+                "8-bit tensor-core product sums at least 32 values at a "
+                f"time), got {q.shape[-1]}"
+            )
+    elif q.dtype not in ATTENTION_DTYPES:
+        also = " (or float8_e5m2 forward on fp8 GPUs)" if fp8 else ""
+        raise TypeError(f"q, k and v must be float16 or bfloat16{also}, got {q.dtype}")
+    if not (q.shape == k.shape == v.shape):
+        raise ValueError(
+            f"q, k and v must have the same shape, got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k and v must be on the same device, got {q.device}, "
+            f"{k.device}, {v.device}"
+        )
+    if q.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"head dim must be one of {HEAD_DIMS}, got {q.shape[-1]}")
+    if q.numel() == 0:
+        raise ValueError(f"q, k and v must not be empty, got shape {tuple(q.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if (span := head_span(t)) >= 2**31:
+            raise ValueError(
+                f"{name}'s rows of one head span {span} elements, more "
+                "than these kernels address with 32-bit offsets (2**31): "
+                "split the sequence, or make the head's rows contiguous"
+            )
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    _check_scale(sm_scale)
+
+
+def reference_attention(q, k, v, causal, sm_scale):
+    """The definition, in the inputs' precision (float64 for a reference)."""
+    s = (q @ k.transpose(-1, -2)) * sm_scale
+    if causal:
+        n = q.shape[2]
+        above = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+        s = s.masked_fill(above, -math.inf)
+    return torch.softmax(s, dim=-1) @ v
+
+
+def check_against_float64(
+    attention_fn, q, k, v, causal, sm_scale, label, tolerance=1e-2, backward=True
+):
+    """Errors of o, dq, dk, dv (o alone without backward) relative to the
+    largest float64 reference value (at least 1), on a fresh random dO;
+    AssertionError naming label and the tensor when one is off or not finite
+    (``error < tolerance`` is false for NaN)."""
+    q, k, v = (t.detach().requires_grad_(backward) for t in (q, k, v))
+    out = attention_fn(q, k, v, causal, sm_scale)
+    q64, k64, v64 = (t.detach().double().requires_grad_(backward) for t in (q, k, v))
+    ref = reference_attention(q64, k64, v64, causal, sm_scale)
+    compared = [("o", out, ref)]
+    if backward:
+        do = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+        grads64 = torch.autograd.grad(ref, (q64, k64, v64), do.double())
+        compared += list(zip(("dq", "dk", "dv"), grads, grads64))
+    errors = {}
+    for name, got, want in compared:
+        scale = want.abs().max().clamp(min=1.0)
+        errors[name] = ((got.double() - want).abs().max() / scale).item()
+        if not (torch.isfinite(got).all() and errors[name] < tolerance):
+            bad = (~torch.isfinite(got)).sum().item()
+            raise AssertionError(
+                f"{label}: {name} is off, error {errors[name]:.2e} "
+                f"relative to the largest value (tolerance "
+                f"{tolerance:.0e}; non-finite values: {bad})"
+            )
+    return errors
+
+
+def forward_and_backward(attention_fn, q, k, v, causal, sm_scale):
+    """What check_against_float64 launches, unchecked: to compile it ahead."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = attention_fn(q, k, v, causal, sm_scale)
+    torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+
+
+# -- Attention: launching and compiling ahead ----------------------------------
+
+
+class _CompileOnly:
+    """Whether compile_ahead is running: launch() then only compiles."""
+
+    active = False
+
+
+def launch(kernel, grid, *args, **kwargs):
+    """kernel[grid](*args, **kwargs); while compile_ahead runs, only compiles
+    the kernel, on one of Triton's worker threads, and runs nothing."""
+    if _CompileOnly.active:
+        return kernel.warmup(*args, grid=grid, **kwargs)
+    return kernel[grid](*args, **kwargs)
+
+
+def compiling_ahead():
+    """Whether compile_ahead is running: a launch then returns no results to keep."""
+    return _CompileOnly.active
+
+
+def compile_ahead(calls):
+    """(kernels, seconds): calls() run with launch() compiling on a pool of
+    threads instead of launching; (0, 0.0) without a GPU or without Triton's
+    AsyncCompileMode (internal in Triton 3.6 and 3.9). Triton otherwise
+    compiles each new specialization one at a time, on one core."""
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        return 0, 0.0
+    if not ON_GPU:
+        return 0, 0.0
+    from concurrent.futures import ThreadPoolExecutor
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(os.cpu_count()) as pool:
+        mode = AsyncCompileMode(pool, ignore_errors=True)
+        _CompileOnly.active = True
+        try:
+            with mode:  # leaving it waits for every compilation
+                calls()
+                kernels = len(mode.raw_futures)
+        finally:
+            _CompileOnly.active = False
+    return kernels, time.perf_counter() - start
+
+
+# -- Attention: peers and the benchmark -----------------------------------------
+
+
+def sdpa_providers(causal, scale, backends):
+    """{name: fn(q, k, v)} for each named SDPA backend, called as users call
+    it; fn.context selects the backend, outside the timed region."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention
+
+    ids = {
+        "SDPA cuDNN": SDPBackend.CUDNN_ATTENTION,
+        "SDPA flash": SDPBackend.FLASH_ATTENTION,
+        "SDPA mem-efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "SDPA math": SDPBackend.MATH,
+    }
+    providers = {}
+    for name in backends:
+        fn = functools.partial(
+            scaled_dot_product_attention, is_causal=causal, scale=scale
+        )
+        fn.context = functools.partial(sdpa_kernel, ids[name])
+        providers[name] = fn
+    return providers
+
+
+# The math backend materializes the N x N scores: a peer only on the CPU.
+SDPA_PEERS = (
+    ("SDPA cuDNN", "SDPA flash", "SDPA mem-efficient") if ON_GPU else ("SDPA math",)
+)
+
+
+def attention_flops(B, H, N, D, causal, mode):
+    """Forward: two matrix products, 4BHN^2D, half when causal; backward 2.5x."""
+    return (
+        4
+        * B
+        * H
+        * N
+        * N
+        * D
+        * (0.5 if causal else 1.0)
+        * (2.5 if mode == "bwd" else 1.0)
+    )
+
+
+def attention_benchmark(cases, sizes, providers, modes, extra_providers=None):
+    """Rows of TFLOP/s: every provider of providers(causal, D) in each mode, at
+    every case (B, H, D), causal or not, and size, and any {(provider, mode):
+    Timer} that extra_providers(q, k, v, causal, D) adds. Everything is compiled
+    ahead first, then timed in passes (measure)."""
+
+    def each_case():
+        for (B, H, D), causal, N in itertools.product(cases, (False, True), sizes):
+            q, k, v = (
+                torch.randn(
+                    B, H, N, D, device=DEVICE, dtype=torch.float16, requires_grad=True
+                )
+                for _ in range(3)
+            )
+            timers = {
+                (name, mode): (
+                    call_timer(fn, q, k, v)
+                    if mode == "fwd"
+                    else backward_timer(fn, q, k, v)
+                )
+                for name, fn in providers(causal, D).items()
+                for mode in modes
+            }
+            if extra_providers is not None:
+                timers.update(extra_providers(q, k, v, causal, D))
+            yield (B, H, D, causal, N), f"D={D}, N={N}, causal={causal}", timers
+            del q, k, v, timers
+
+    def call_each_once():
+        for _, _, timers in each_case():
+            for timer in timers.values():
+                try:
+                    with timer.context():
+                        timer.make()()
+                except RuntimeError:  # a backend that cannot run this case
+                    pass
+
+    kernels, seconds = compile_ahead(call_each_once)
+    if kernels:
+        print(
+            f"Compiled ahead: {kernels} kernels on {os.cpu_count()} threads "
+            f"in {seconds:.1f} s"
+        )
+    rows = []
+    for ((B, H, D, causal, N), (name, mode)), m in measure(each_case).items():
+        work = attention_flops(B, H, N, D, causal, mode) * 1e-9  # TFLOP per ms
+        rows.append(
+            dict(D=D, causal=causal, N=N, mode=mode, provider=name, **m.row(work))
+        )
+    return rows
+
+
+def plot_attention(table, mode, peak, title, ours=()):
+    """One figure for one mode: a panel per (head dim, masking), every provider
+    against N, and the matmul ceiling dashed."""
+    import matplotlib.pyplot as plt
+
+    part = table.xs(mode, level="mode")
+    keys = list(dict.fromkeys(part.index.droplevel("N")))
+    rows = (len(keys) + 1) // 2
+    fig, axes = plt.subplots(
+        rows, 2, figsize=(8, 3.3 * rows + 0.6), sharex=True, squeeze=False
+    )
+    for ax, (D, causal) in zip(axes.flat, keys):
+        panel = part.xs((D, causal), level=["D", "causal"]).dropna(axis=1, how="all")
+        for name in panel.columns:
+            color, marker = style(name, ours)
+            ax.plot(
+                panel.index,
+                panel[name],
+                color=color,
+                marker=marker,
+                label=name,
+                zorder=3 if name in ours else 2,
+            )  # ours on top where lines meet
+        ax.axhline(peak, color="black", linestyle="--", zorder=0, label="matmul rate")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(panel.index), [str(n) for n in panel.index], fontsize=10)
+        ax.minorticks_off()
+        ax.set_title(f"D = {D}, {'causal' if causal else 'non-causal'}", fontsize=11)
+        ax.set_ylim(0, max(peak, panel.max().max()) * 1.08)  # fp8 can pass fp16's
+    for ax in axes[-1]:
+        ax.set_xlabel("N (sequence length)")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("TFLOP/s")
+    for ax in axes.flat[len(keys) :]:
+        ax.set_visible(False)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=2, frameon=False)
+    fig.suptitle(title, fontsize=11)
+    legend_rows = (len(labels) + 1) // 2
+    fig.tight_layout(rect=(0, (0.05 + 0.04 * legend_rows) * 2 / (rows + 1), 1, 1))
+    return fig
+
+
+def rates_table(results, index, unit, value="gpu_value"):
+    """The benchmark's rows as a wide table, one column per provider, the unit
+    named once in the corner; ranges where timings spread past SPREAD_LIMIT."""
+    column = value if value in results else "value"
+    spread = "gpu_spread" if column == "gpu_value" else "spread"
+
+    def shown(row):
+        rate = row[column]
+        return shown_rate(rate, rate / (1 + row[spread]))
+
+    frame = results.assign(shown=results.apply(shown, axis=1))
+    table = frame.pivot_table(
+        index=index, columns="provider", values="shown", aggfunc="first", sort=False
+    )
+    table.columns.name = unit
+    return table.fillna("")
+
+
+def spread_summary(results):
+    """One sentence: how far one provider's timings of one case spread."""
+    worst = results.loc[results["spread"].idxmax()]
+    column = "gpu_spread" if "gpu_spread" in results else "spread"
+    median = results[column].median()
+    ranged = (results[column] > SPREAD_LIMIT).sum()
+    return (
+        f"Each provider was timed in {PASSES} or more passes over all cases; "
+        f"the median spread of one case's timings is {median:.1%}, the largest "
+        f"back-to-back spread {worst['spread']:.0%} ({worst['provider']}, "
+        f"{worst.get('mode', '')} N={worst['N']}); {ranged} of {len(results)} "
+        f"timings spread past {SPREAD_LIMIT:.0%} after {MAX_PASSES} passes and "
+        "show as ranges. Differences smaller than the spread are noise."
+    )
