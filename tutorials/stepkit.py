@@ -19,9 +19,10 @@ How the lessons time a call (the performance page gives the same definition):
 * Every call is warmed up the same way first; a backward is
   ``torch.autograd.grad(out, inputs, dout)``, so nothing accumulates in ``.grad``;
   a peer's backend is selected outside the timed region.
-* Each provider is timed in passes over all the cases. Where its timings of one
-  case spread by more than ``SPREAD_LIMIT``, it is timed again, up to
-  ``MAX_PASSES`` times, and then shown as a range.
+* Each provider is timed in passes over all the cases and keeps its fastest
+  timing. Where its two fastest timings of one case differ by more than
+  ``SPREAD_LIMIT``, it is timed again, up to ``MAX_PASSES`` times in all, and
+  then shown as a range.
 * Under the interpreter the time is the fastest of three wall-clock runs: it
   measures NumPy on the CPU, and only illustrates.
 """
@@ -237,20 +238,16 @@ def _profiled_ms(fn, flush, calls):
 def gpu_ms(fn, flush, replays):
     """(median GPU milliseconds of fn over replays, method): the call captured
     in a CUDA graph and replayed after an L2 flush, events around each replay;
-    the profiler's kernel times where fn cannot be captured. fn's launches must
-    have been warmed up on the current stream's device before."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
+    the profiler's kernel times where fn cannot be captured. Runs on the
+    current stream, which must not be the default one (time_once sees to it)."""
+    stream = torch.cuda.current_stream()
     graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.stream(stream):
-            fn()  # allocations and lazy set-up on the capture stream, first
-            with torch.cuda.graph(graph, stream=stream):
-                fn()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
     except RuntimeError:  # a call that synchronizes, say, cannot be captured
         torch.cuda.synchronize()
         return _profiled_ms(fn, flush, replays), "profiler"
-    torch.cuda.current_stream().wait_stream(stream)
     events = [
         (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         for _ in range(replays)
@@ -288,16 +285,25 @@ def wall_ms(fn):
 
 
 def time_once(timer, flush=None):
-    """{"b2b": ms, "gpu": ms or None, "gpu_method": ...} for one Timer, once."""
-    with timer.context():
+    """{"b2b": ms, "gpu": ms or None, "gpu_method": ...} for one Timer, once.
+
+    On a GPU everything runs on a stream of its own: a CUDA graph cannot be
+    captured on the default stream, and autograd runs a backward on the
+    stream that ran its forward, so make() must run there too."""
+    if not ON_GPU:
+        with timer.context():
+            return {"b2b": wall_ms(timer.make()), "gpu": None, "gpu_method": None}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), timer.context():
         fn = timer.make()
-        if not ON_GPU:
-            return {"b2b": wall_ms(fn), "gpu": None, "gpu_method": None}
         calls = warm_up(fn)
         per_call_s = WARM_UP_S / max(1, calls)
         repeats = max(5, min(1000, int(TIMED_S / per_call_s)))
         gpu, method = gpu_ms(fn, flush, min(repeats, 100))
-        return {"b2b": back_to_back_ms(fn, repeats), "gpu": gpu, "gpu_method": method}
+        b2b = back_to_back_ms(fn, repeats)
+    torch.cuda.current_stream().wait_stream(stream)
+    return {"b2b": b2b, "gpu": gpu, "gpu_method": method}
 
 
 class Measured:
@@ -307,6 +313,10 @@ class Measured:
         self.b2b, self.gpu, self.gpu_method = [], [], None
 
     def add(self, timing):
+        for name in ("b2b", "gpu"):
+            ms = timing[name]
+            if ms is not None and not (math.isfinite(ms) and ms > 0):
+                raise ValueError(f"a {name} timing of {ms} ms: not a positive number")
         self.b2b.append(timing["b2b"])
         if timing["gpu"] is not None:
             self.gpu.append(timing["gpu"])
@@ -314,10 +324,13 @@ class Measured:
 
     @staticmethod
     def _spread(ms):
-        return max(ms) / min(ms) - 1 if ms else 0.0
+        """How far the two fastest timings differ, as a fraction of the fastest:
+        one disturbed timing among settled ones does not count."""
+        fastest = sorted(ms)[:2]
+        return fastest[1] / fastest[0] - 1 if len(fastest) == 2 else 0.0
 
     def spread(self):
-        """The larger spread of the two times, as a fraction of the fastest."""
+        """The larger spread of the two times (back to back, GPU)."""
         return max(self._spread(self.b2b), self._spread(self.gpu))
 
     def unsettled(self):
@@ -325,8 +338,8 @@ class Measured:
 
     def row(self, work):
         """Row fields for a rate of `work` per millisecond: value (back to
-        back) and, on a GPU, gpu_value, each with its slowest (a range where
-        the spread passed SPREAD_LIMIT)."""
+        back, from the fastest timing) and, on a GPU, gpu_value (GPU time),
+        each with its spread (a range where it passed SPREAD_LIMIT)."""
         fields = {"value": work / min(self.b2b), "spread": self._spread(self.b2b)}
         if self.gpu:
             fields.update(
