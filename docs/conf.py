@@ -6,11 +6,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from sphinx.errors import ExtensionError
+
 DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
 sys.path.insert(0, str(DOCS / "_ext"))
 
-from lesson_pages import PeakMemory  # noqa: E402  (found through the path set just above)
+from lesson_files import SHARED, download_cell, stale_lessons  # noqa: E402  (found through the path above)
+from lesson_files import lessons as lesson_stems  # noqa: E402
+from lesson_pages import PeakMemory  # noqa: E402
 
 project = "Triton kernels, step by step"
 author = "the Triton tutorials team"
@@ -45,6 +49,26 @@ repository = _github_repository()
 # The branch the source links point to: the one docs.yml publishes as dev.
 repository_branch = "main"
 
+
+def _download_ref():
+    """The version whose files a downloaded lesson fetches (docs/_ext/lesson_files.py): the release tag
+    when this build is one (DOCS_VERSION vX.Y.Z), else the commit it was built from (GITHUB_SHA in
+    GitHub Actions, else git's HEAD); None without git, and then the pages offer the zips alone."""
+    if re.fullmatch(r"v(0|[1-9][0-9]{0,8})\.(0|[1-9][0-9]{0,8})\.(0|[1-9][0-9]{0,8})", version, re.ASCII):
+        return version
+    if re.fullmatch(r"[0-9a-f]{40}", os.environ.get("GITHUB_SHA", "")):
+        return os.environ["GITHUB_SHA"]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        head = ""
+    return head if re.fullmatch(r"[0-9a-f]{40}", head) else None
+
+
+# A single downloaded notebook or script fetches what it needs at this version, and no other.
+download_ref = _download_ref()
+
 extensions = [
     "myst_parser",
     "sphinx.ext.mathjax",
@@ -52,6 +76,8 @@ extensions = [
     "sphinx_gallery.gen_gallery",
     "perf_summary",
     "repository",
+    # After sphinx_gallery: it completes the gallery's downloads (and decides which lessons rerun).
+    "lesson_files",
     "offline_math",
     # After sphinx_gallery: it replaces how that extension writes a plot into the page.
     "lesson_pages",
@@ -95,12 +121,9 @@ sphinx_gallery_conf = {
     "parallel": False,
     "reset_modules": ("matplotlib",),
     "capture_repr": ("_repr_html_", "__repr__"),
-    "first_notebook_cell": (
-        "# This notebook comes from the tutorial site 'Triton kernels, step by step'.\n"
-        "# It needs PyTorch, Triton, matplotlib and pandas. Without a CUDA GPU it runs\n"
-        "# through the Triton interpreter at small sizes. To install, uncomment:\n"
-        "# %pip install torch triton matplotlib pandas"
-    ),
+    # What to install, and the download step: the files every lesson needs, at this build's version
+    # (docs/_ext/lesson_files.py then adds each notebook's own sibling lessons).
+    "first_notebook_cell": download_cell(repository, download_ref, SHARED),
     "min_reported_time": 0,
     # The Computation times page's memory column; without this, Sphinx-Gallery needs memory_profiler
     # and writes 0.0 for every lesson.
@@ -111,10 +134,15 @@ html_theme = "pydata_sphinx_theme"
 html_title = project
 html_static_path = ["_static"]
 html_css_files = ["custom.css"]
+# The published site's pages find every version in one switcher.json (tools/publish.py writes it), at
+# DOCS_SWITCHER_URL, which the docs workflow sets. A local build has no such file: its pages show no
+# version menu rather than an empty one.
+SWITCHER_URL = os.environ.get("DOCS_SWITCHER_URL")
+
 html_theme_options = {
     # Beside the title, where a phone keeps it in the header: the other header items fold into the
     # side drawer below the theme's large breakpoint.
-    "navbar_start": ["navbar-logo", "version-switcher"],
+    "navbar_start": ["navbar-logo", *(["version-switcher"] if SWITCHER_URL else [])],
     # The default lines the links up with the text by giving the title a fixed quarter of the width,
     # which the switcher beside the title would overrun.
     "navbar_align": "left",
@@ -122,16 +150,16 @@ html_theme_options = {
     # An icon, not a field: the field alone would push the header onto a second row.
     "navbar_persistent": ["search-button"],
     "github_url": f"https://github.com/{repository}",
-    "switcher": {
-        # One fixed place for every published version (tools/publish.py writes it).
-        "json_url": os.environ.get("DOCS_SWITCHER_URL", "/switcher.json"),
-        "version_match": version,
-    },
-    # Builds happen offline; the switcher's JSON is checked by the publish tool instead.
-    "check_switcher": False,
-    "show_version_warning_banner": True,
     "secondary_sidebar_items": ["page-toc", "source-links", "sg_download_links", "sg_launcher_links"],
 }
+if SWITCHER_URL:
+    html_theme_options.update({
+        "switcher": {"json_url": SWITCHER_URL, "version_match": version},
+        # Builds happen offline; the switcher's JSON is checked by the publish tool instead.
+        "check_switcher": False,
+        # Pages of versions other than the preferred one link to it (the preferred one: switcher.json).
+        "show_version_warning_banner": True,
+    })
 # Pages at the top level have no section to navigate: their text and tables take the width instead.
 html_sidebars = {"*": []}
 html_context = {"default_mode": "light"}
@@ -150,5 +178,60 @@ def _add_zip_download(app, docname, source):
         )
 
 
+# The last build of a sharded one (tools/shard_build.py) merges lessons that ran elsewhere, on other
+# GPUs or other CI runners, and runs none itself. SHARD_MERGE=1 makes that a rule: the build stops
+# before Sphinx-Gallery starts if any lesson would run here (a checksum that did not match would
+# otherwise run it quietly, on whatever machine merges). SHARD_REQUIRE_GPU=1 (CI's merge) also stops it
+# unless every lesson page's platform line names a GPU. SHARD_GPU_DRIVER is the NVIDIA driver the
+# shards ran on, for the performance page, when the merging machine has no GPU of its own.
+SHARD_MERGE = os.environ.get("SHARD_MERGE") == "1"
+SHARD_REQUIRE_GPU = os.environ.get("SHARD_REQUIRE_GPU") == "1"
+# The first line of a lesson's output that is a platform line (stepkit.describe_platform), in
+# Sphinx-Gallery's blocks of printed output.
+OUTPUT_BLOCK = re.compile(r"^\.\. rst-class:: sphx-glr-script-out\n\n \.\. code-block:: none\n\n((?:(?: {4}.*)?\n)*)",
+                          re.M)
+PLATFORM_LINE = re.compile(r"^ {4}(GPU: .*|Triton interpreter on CPU .*)$", re.M)
+
+if os.environ.get("SHARD_GPU_DRIVER"):
+    import perf_summary  # noqa: E402  (the very module Sphinx loads as the extension)
+
+    perf_summary.gpu_driver = lambda: os.environ["SHARD_GPU_DRIVER"]
+
+
+def platform_line(page):
+    """The platform line a lesson's generated page (<gallery>/<lesson>.rst) printed, or None."""
+    blocks = OUTPUT_BLOCK.findall(page.read_text(encoding="utf-8")) if page.is_file() else []
+    found = [line for block in blocks for line in PLATFORM_LINE.findall(block)]
+    return found[0] if found else None
+
+
+def _nothing_runs_here(app):
+    """SHARD_MERGE=1, after lesson_files' rerun rule and before Sphinx-Gallery: every lesson is current."""
+    if app.config.sphinx_gallery_conf.get("run_stale_examples"):
+        raise ExtensionError("SHARD_MERGE=1 runs no lesson: run_stale_examples would run them all")
+    stale = stale_lessons(ROOT / "tutorials", DOCS / "tutorials")
+    if stale:
+        raise ExtensionError(
+            f"SHARD_MERGE=1: these lessons would run on the merge machine: {', '.join(stale)}. No shard left "
+            "their files, or the files they need changed since the shards ran them (a .py.md5 that does not "
+            "match the lesson, or a needs record that does not match: docs/_ext/lesson_files.py).")
+
+
+def _every_lesson_ran_on_a_gpu(app):
+    """SHARD_REQUIRE_GPU=1, after Sphinx-Gallery wrote the pages: each names a GPU as its platform."""
+    off = []
+    for stem in lesson_stems(ROOT / "tutorials"):
+        line = platform_line(DOCS / "tutorials" / f"{stem}.rst")
+        if line is None or not line.startswith("GPU: "):
+            off.append(f"{stem} ({line or 'printed no platform line'})")
+    if off:
+        raise ExtensionError("SHARD_REQUIRE_GPU=1: these lesson pages did not run on a GPU: " + "; ".join(off))
+
+
 def setup(app):
     app.connect("source-read", _add_zip_download)
+    # lesson_files' rerun rule runs at priority 400, Sphinx-Gallery at 500.
+    if SHARD_MERGE:
+        app.connect("builder-inited", _nothing_runs_here, priority=450)
+    if SHARD_REQUIRE_GPU:
+        app.connect("builder-inited", _every_lesson_ran_on_a_gpu, priority=550)

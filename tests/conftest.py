@@ -9,14 +9,6 @@ from lessons import ROOT, TUTORIALS  # noqa: F401  (re-exported for the tests)
 
 
 @pytest.fixture
-def disagreeing_timings():
-    """Scripted timings in milliseconds, in the order a timer returns them, for the benchmarks' rule of timing
-    again where two timings differ by more than 25%: agreeing, disturbed once, never agreeing, slow first."""
-    return {"steady": [1.0, 1.2], "disturbed": [1.0, 2.0, 1.1], "always": [1.0, 3.0, 3.0, 3.0, 3.0],
-            "slow first": [3.0, 1.0, 1.2]}
-
-
-@pytest.fixture
 def rng():
     """A fresh, unseeded generator per test: every run draws new inputs."""
     import torch

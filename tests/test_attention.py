@@ -1,4 +1,4 @@
-"""The attention lessons (04 to 09), forward and backward, against float64 autograd on fresh random inputs,
+"""The attention lessons (05 to 07, 11 to 13), forward and backward, against float64 autograd on fresh random inputs,
 and the checks of their exercises."""
 
 import math
@@ -6,6 +6,7 @@ from functools import partial
 
 import numpy as np
 import pytest
+import stepkit
 import torch
 from lessons import ROOT, load
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -30,7 +31,7 @@ def gluon_where_it_runs(attention):
 # v2's backward strategies: dQ in its own pass, or added atomically by the dK, dV programs.
 VERSIONS = {"v1": V1.attention, "v2": V2_BWD.attention, "v2-atomic-dq": partial(V2_BWD.attention, atomic_dq=True)}
 DEVICE = V2.DEVICE  # the lessons run where Triton does: the GPU if there is one
-ON_HOPPER = V2.ON_GPU and torch.cuda.get_device_capability()[0] == 9
+ON_HOPPER = stepkit.ON_GPU and torch.cuda.get_device_capability()[0] == 9
 if ON_HOPPER:
     # Lessons 11 and 13 run their Gluon kernels here: the Gluon forward with the two-pass backward,
     # the Gluon forward and backward, and the Gluon forward with the two-pass backward asked for.
@@ -302,24 +303,15 @@ def test_the_launchers_descriptors_hold_what_a_checked_one_holds(rows, rng):
     assert checked.base is t
 
 
-def test_the_paths_only_sweep_refuses_lengths_the_tables_do_not_have():
-    import tune
-
-    with pytest.raises(SystemExit, match=r"buckets \(1024, 2048, 4096, 8192, 16384\), got \[1000\]"):
-        tune.tune_attention_paths([1000])
-    with pytest.raises(SystemExit, match="got \\[\\]"):
-        tune.tune_attention_paths([])
-
-
 def test_fp8_refused_without_fp8_tensor_cores():
-    if V1.fp8_supported():
+    if stepkit.fp8_supported():
         pytest.skip("this GPU has fp8 tensor cores")
     qkv = [torch.randn(1, 2, 8, 32, device=DEVICE).to(torch.float8_e5m2) for _ in range(3)]
     with pytest.raises(TypeError, match="fp8 tensor cores"):
         V2.attention(*qkv, True, 0.125)
 
 
-needs_fp8 = pytest.mark.skipif(not V1.fp8_supported(), reason="fp8 attention needs a GPU with fp8 tensor cores")
+needs_fp8 = pytest.mark.skipif(not stepkit.fp8_supported(), reason="fp8 attention needs a GPU with fp8 tensor cores")
 # P is rounded to e5m2 (2 mantissa bits) before the second product: up to 4.5e-2 seen on an H200,
 # while a wrong layout or stride of V gives errors of order 1.
 FP8_TOLERANCE = 0.1
@@ -364,55 +356,6 @@ def test_fp8_refuses_head_dim_16(rng):
         V2.attention(*qkv, False, 0.25)
 
 
-def test_benchmark_passes_alternate_and_drop_a_failing_provider(monkeypatch, capsys):
-    monkeypatch.setattr(V1, "ROUNDS", 3)
-    monkeypatch.setattr(V1, "AGREE", 100.0)  # no timing is timed again here: see the next test
-    calls = []
-
-    def timer(name, ms=1.0):
-        def run():
-            calls.append(name)
-            if name.startswith("broken"):
-                raise RuntimeError("no kernel for this case\nsecond line")
-            return ms + len(calls)
-        return run
-
-    passes = []
-
-    def timing_cases():
-        passes.append(len(calls))
-        for case in ("c1", "c2"):
-            yield case, f"N={case}", {("a", "fwd"): timer(f"a{case}"), ("broken", "fwd"): timer(f"broken{case}"),
-                                      ("broken", "bwd"): timer(f"broken{case}"), ("b", "bwd"): timer(f"b{case}")}
-
-    times = V1.measure_in_passes(timing_cases)
-    # passes over both cases: first to last, back, again, so that one case's timings lie a pass apart;
-    # "broken" once per case
-    assert calls == ["ac1", "brokenc1", "bc1", "ac2", "brokenc2", "bc2", "bc1", "ac1", "bc2", "ac2",
-                     "ac1", "bc1", "ac2", "bc2"]
-    assert times == {("c1", ("a", "fwd")): [2.0, 9.0, 12.0], ("c1", ("b", "bwd")): [4.0, 8.0, 13.0],
-                     ("c2", ("a", "fwd")): [5.0, 11.0, 14.0], ("c2", ("b", "bwd")): [7.0, 10.0, 15.0]}
-    assert len(passes) == 3  # ROUNDS passes; none more, as no provider's timings disagree
-    out = capsys.readouterr().out
-    assert "broken skipped at N=c1: no kernel for this case" in out and "broken skipped at N=c2" in out
-
-
-def test_a_provider_whose_two_fastest_timings_disagree_is_timed_again(monkeypatch, disagreeing_timings):
-    monkeypatch.setattr(V1, "ROUNDS", 2)
-    monkeypatch.setattr(V1, "MAX_TIMINGS", 4)
-    monkeypatch.setattr(V1, "AGREE", 0.25)
-
-    def timer(name):
-        return lambda: disagreeing_timings[name].pop(0)
-
-    times = V1.measure_in_passes(lambda: iter([("c", "N=7", {(name, "fwd"): timer(name)
-                                                           for name in disagreeing_timings})]))
-    assert times == {("c", ("steady", "fwd")): [1.0, 1.2],  # within 25%: two timings
-                     ("c", ("disturbed", "fwd")): [1.0, 2.0, 1.1],  # a third agrees with the first: done
-                     ("c", ("always", "fwd")): [1.0, 3.0, 3.0, 3.0],  # never agrees: stops at MAX_TIMINGS
-                     ("c", ("slow first", "fwd")): [3.0, 1.0, 1.2]}
-
-
 def test_the_benchmark_calls_each_provider_once_in_its_compile_pass_then_times(monkeypatch, capsys):
     phase, log = ["timing"], []
 
@@ -425,35 +368,39 @@ def test_the_benchmark_calls_each_provider_once_in_its_compile_pass_then_times(m
     def provider(name):
         def fn(q, k, v):
             log.append((name, phase[0]))
-            return q * 1.0
+            return q * 1.0 + k + v
         return fn
 
     def broken(q, k, v):
         raise RuntimeError("no kernel for this case")
 
-    monkeypatch.setattr(V1, "compile_ahead", compile_ahead)
-    monkeypatch.setattr(V1, "bench_ms", lambda fn: (fn(), 1.0)[1])
-    monkeypatch.setattr(V1, "ROUNDS", 1)
-    rows = V1.run_benchmark([(1, 1, 16)], [8], lambda causal, D: {"a": provider("a"), "broken": broken},
-                            ("fwd", "bwd"), lambda q, k, v, causal, D: {("x", "bwd"): provider("x")})
+    def extra(q, k, v, causal, D):
+        return {("x", "bwd"): stepkit.backward_timer(provider("x"), q, k, v)}
+
+    monkeypatch.setattr(stepkit, "compile_ahead", compile_ahead)
+    monkeypatch.setattr(stepkit, "PASSES", 1)
+    rows = stepkit.attention_benchmark([(1, 1, 16)], [8], lambda causal, D: {"a": provider("a"), "broken": broken},
+                                       ("fwd", "bwd"), extra)
     # the pass: per case, "a" forward, "a" forward again to make the graph for its backward, "x" likewise
     assert log[:6] == [("a", "compiling")] * 2 + [("x", "compiling")] + [("a", "compiling")] * 2 + [("x", "compiling")]
     assert all(p == "timing" for _, p in log[6:]) and len(log) > 6
     assert sorted({(r["provider"], r["mode"]) for r in rows}) == [("a", "bwd"), ("a", "fwd"), ("x", "bwd")]
     out = capsys.readouterr().out
-    assert "Compiled ahead: 3 kernels" in out and "broken skipped" in out
+    assert "Compiled ahead: 3 kernels" in out
+    for mode in ("fwd", "bwd"):  # each failing (provider, mode) once, at the first case
+        assert out.count(f"('broken', '{mode}') skipped at D=16, N=8, causal=False: no kernel for this case") == 1
 
 
 def test_compile_ahead_runs_nothing_without_a_gpu(monkeypatch):
-    monkeypatch.setattr(V1, "ON_GPU", False)
+    monkeypatch.setattr(stepkit, "ON_GPU", False)
 
     def calls():
         raise AssertionError("called")
 
-    assert V1.compile_ahead(calls) == (0, 0.0)  # under the interpreter there is nothing to compile
+    assert stepkit.compile_ahead(calls) == (0, 0.0)  # under the interpreter there is nothing to compile
 
 
-@pytest.mark.skipif(not V1.ON_GPU, reason="Triton compiles only for a GPU")
+@pytest.mark.skipif(not stepkit.ON_GPU, reason="Triton compiles only for a GPU")
 def test_compile_ahead_compiles_launches_nothing_and_ends_even_on_error(rng):
     B, H, N, D = 1, 2, 77, 64
     o, do = (torch.randn(B, H, N, D, generator=rng).to(DEVICE, torch.float16) for _ in range(2))
@@ -462,17 +409,17 @@ def test_compile_ahead_compiles_launches_nothing_and_ends_even_on_error(rng):
     delta = torch.full((B * H, N), float("nan"), device=DEVICE)
 
     def preprocess():
-        V1.launch(V1.attn_bwd_preprocess_v1_kernel, (math.ceil(N / V1.BLOCK), B * H), o, do, lse, do_scaled, delta,
-                  H, N, *o.stride(), *do.stride(), D=D, BLOCK_M=V1.BLOCK)
+        stepkit.launch(V1.attn_bwd_preprocess_v1_kernel, (math.ceil(N / V1.BLOCK), B * H), o, do, lse, do_scaled, delta,
+                       H, N, *o.stride(), *do.stride(), D=D, BLOCK_M=V1.BLOCK)
 
     def compile_then_fail():
         preprocess()
         raise RuntimeError("after the launch")
 
     with pytest.raises(RuntimeError, match="after the launch"):
-        V1.compile_ahead(compile_then_fail)
-    assert not V1.compiling_ahead()
-    assert V1.compile_ahead(preprocess)[0] in (0, 1)  # 0: the kernel was compiled above, or by another test
+        stepkit.compile_ahead(compile_then_fail)
+    assert not stepkit.compiling_ahead()
+    assert stepkit.compile_ahead(preprocess)[0] in (0, 1)  # 0: the kernel was compiled above, or by another test
     assert delta.isnan().all(), "a launch made while compiling ahead ran the kernel"
     preprocess()
     want = (o.float() * do.float()).sum(-1).reshape(B * H, N) / lse
@@ -613,17 +560,18 @@ def _round_robin_schedule(n_m, heads, programs):
 
 
 def test_host_cells_say_what_paced_the_benchmark():
-    """The verdict lessons 12 and 13 print under their host measurements: the host can have paced a call only where
-    its host time comes near the L2 write plus its GPU time, all that the benchmark hides; otherwise the page says
-    it cannot tell."""
-    assert "did not pace" in PROFILE.who_paced(1.0, 0.96, 0.3, 0.28, 0.08)
-    assert "can have paced our calls" in PROFILE.who_paced(1.0, 0.6, 0.30, 0.25, 0.08)
-    # The Gluon backward in the build of 2026-11-25: host 258 us, GPU 281 us, write 82 us, 699 us in the benchmark.
-    unexplained = PROFILE.who_paced(0.98, 0.41, 0.258, 0.281, 0.082)
-    assert "cannot tell" in unexplained and "258 us" in unexplained and "363 us" in unexplained
-    # The two-pass backward in the H100 build of 2026-11-26: host 303 us under the write plus GPU time, 321 us.
-    assert "can have paced" in PROFILE.who_paced(1.0, 0.9, 0.303, 0.239, 0.082)
-    assert "cannot tell" in PROFILE.who_paced(1.0, 0.9, 0.250, 0.239, 0.082)
+    """The verdict lessons 12 and 13 print under their host measurements, from GPU, back-to-back and host times
+    (us) and the timings' spread: host-bound only where back to back exceeds GPU time by more than the spread and
+    the host time accounts for it; otherwise the page says what the numbers show and what they cannot tell."""
+    gpu_bound = PROFILE.who_paced(gpu=30.0, b2b=30.5, host=20.0, spread=0.03)
+    assert "GPU-bound" in gpu_bound and "30 us" in gpu_bound and "20 us" in gpu_bound
+    host_bound = PROFILE.who_paced(gpu=30.0, b2b=48.0, host=47.0, spread=0.03)
+    assert host_bound.startswith("host-bound") and "48 us" in host_bound and "47 us" in host_bound
+    # Within the spread is not host-bound, whatever the host time measured alone.
+    assert "cannot tell" in PROFILE.who_paced(gpu=30.0, b2b=32.0, host=40.0, spread=0.10)
+    assert PROFILE.who_paced(gpu=30.0, b2b=32.0, host=40.0, spread=0.03).startswith("host-bound")
+    # Slower back to back, but not for the host's sake.
+    assert "between the kernels" in PROFILE.who_paced(gpu=30.0, b2b=40.0, host=25.0, spread=0.03)
 
 
 def test_host_times_are_taken_in_turns_and_keep_the_fastest(monkeypatch):
@@ -636,39 +584,23 @@ def test_host_times_are_taken_in_turns_and_keep_the_fastest(monkeypatch):
     assert seen == ["a", "a'", "b"] * 2
 
 
-def test_the_sweep_takes_host_times_in_turns(monkeypatch):
-    """tools/tune.py times the host's cost of every short path once per round, in turn, keeps each one's
-    fastest, and gives the calls too long for the host to pace no host time."""
-    import tune
-
-    seen, times = [], iter([5.0, 3.0, 9.0, 4.0, 1.0, 2.0])
-    monkeypatch.setattr(PROFILE, "host_ms", lambda fn: (seen.append(fn()), next(times))[1])
-    measured = {("portable", "fwd"): [0.2, 0.3], ("gluon", "bwd"): [2.0, 2.1], ("gluon", "fwd"): [0.1]}
-    calls = {("portable", "fwd"): lambda: "portable", ("gluon", "fwd"): lambda: "gluon"}
-    assert tune.host_times(measured, calls) == {("portable", "fwd"): 1.0, ("gluon", "bwd"): 0.0,
-                                                ("gluon", "fwd"): 2.0}
-    assert seen == ["portable", "gluon"] * 3
-
-
-def _events_read(host, gpu, flush, calls):
-    """What do_bench's events read for each call of lesson 12's timeline: the kernel's end less its write's end."""
-    _, flushes, kernels = PROFILE.timeline(host, gpu, flush, calls)
-    return [start + length - (write_start + write_length)
-            for (write_start, write_length), (start, length) in zip(flushes, kernels)]
+def _per_call(host, gpu, calls):
+    """Lesson 12's exercise 2, answered by reasoning: the slower side's pace for every call, plus the faster
+    side's one call that nothing hides (the first enqueue, or the last kernel)."""
+    return (max(host, gpu) * calls + min(host, gpu)) / calls
 
 
 def test_the_pacing_timeline_follows_the_slower_side():
-    """Lesson 12's picture: back to back, calls go at the pace of the slower of host and GPU; behind a flush the
-    events around each kernel read its GPU time once the host is ahead, and more when the host is too slow."""
-    _, flushes, kernels = PROFILE.timeline(host=1.0, gpu=1.6, flush=0.0, calls=5)
-    assert not flushes and [start for start, _ in kernels] == pytest.approx([1.0 + 1.6 * i for i in range(5)])
-    _, _, kernels = PROFILE.timeline(host=1.6, gpu=1.0, flush=0.0, calls=5)
+    """Lesson 12's picture: back to back, calls go at the pace of the slower of host and GPU."""
+    enqueues, kernels = PROFILE.timeline(host=1.0, gpu=1.6, calls=5)
+    assert [start for start, _ in enqueues] == pytest.approx([1.0 * i for i in range(5)])
+    assert [start for start, _ in kernels] == pytest.approx([1.0 + 1.6 * i for i in range(5)])  # back to back
+    _, kernels = PROFILE.timeline(host=1.6, gpu=1.0, calls=5)
     assert [start for start, _ in kernels] == pytest.approx([1.6 * (i + 1) for i in range(5)])  # the GPU waits
-    for host, hidden in ((1.6, True), (2.0, True), (2.5, False)):
-        _, flushes, kernels = PROFILE.timeline(host=host, gpu=1.0, flush=1.2, calls=8)
-        timed = _events_read(host, 1.0, 1.2, 8)
-        assert (timed[-1] == pytest.approx(1.0)) == hidden, (host, timed)
-        assert all(start >= f + length for (f, length), (start, _) in zip(flushes, kernels))
+    for host, gpu in ((1.0, 1.6), (1.6, 1.0), (2.0, 2.0)):
+        _, kernels = PROFILE.timeline(host, gpu, 8)
+        assert all(b[0] >= a[0] + gpu for a, b in zip(kernels, kernels[1:]))  # one kernel at a time
+        assert (kernels[-1][0] + gpu) / 8 == pytest.approx(_per_call(host, gpu, 8))
 
 
 def test_exercise_schedule_accepts_balanced_answers():
@@ -695,16 +627,29 @@ def test_exercise_schedule_rejects_round_robin_and_lost_tiles():
         PROFILE.check_schedule(lambda n_m, heads, programs: _pairs_schedule(n_m, heads, programs)[:-1])
 
 
-def test_exercise_events_read(capsys):
-    right = _events_read
-    PROFILE.check_events_read(right)
-    assert "up to a host time of 2.20" in capsys.readouterr().out
-    with pytest.raises(AssertionError, match="host 1.6, GPU 1.0, write 1.2"):
-        PROFILE.check_events_read(lambda host, gpu, flush, calls: [gpu] * calls)  # the kernel alone, always
-    with pytest.raises(AssertionError, match="events_read gave"):  # timed from the start of the write
-        PROFILE.check_events_read(lambda host, gpu, flush, calls: [t + flush for t in right(host, gpu, flush, calls)])
-    with pytest.raises(AssertionError, match="events_read gave"):
-        PROFILE.check_events_read(lambda host, gpu, flush, calls: [float("nan")] * calls)
+def test_exercise_per_call(capsys):
+    PROFILE.check_per_call(_per_call)
+    assert "63 calls come within 1%" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="host 1.6, GPU 1.0, 1 calls"):
+        PROFILE.check_per_call(lambda host, gpu, calls: max(host, gpu))  # the steady pace alone
+    with pytest.raises(AssertionError, match="per_call gave"):  # host and GPU one after the other
+        PROFILE.check_per_call(lambda host, gpu, calls: host + gpu if calls > 1 else _per_call(host, gpu, 1))
+    with pytest.raises(AssertionError, match="per_call gave"):
+        PROFILE.check_per_call(lambda host, gpu, calls: float("nan"))
+
+
+def test_the_persistence_gain_is_a_range_where_its_timings_spread():
+    """Lesson 12's gain of one program per SM, by GPU time: one ratio of the fastest timings where both launches'
+    timings agree within the kit's limit, else the lowest to the highest ratio they allow."""
+    def measured(*gpu_ms):
+        m = PROFILE.kit.Measured()
+        for ms in gpu_ms:
+            m.add({"b2b": ms, "gpu": ms, "gpu_method": "CUDA graph"})
+        return m
+
+    assert PROFILE.gain(measured(1.2, 1.21), measured(1.0, 1.02)) == pytest.approx((1.2, 1.2))
+    low, high = PROFILE.gain(measured(1.2, 1.5), measured(1.0, 1.02))
+    assert low == pytest.approx(1.2 / 1.02) and high == pytest.approx(1.5)
 
 
 def test_exercise_tma_ready():
@@ -858,7 +803,7 @@ def test_a_head_spanning_more_than_2_31_elements_is_refused():
 def test_offsets_past_2_31_elements(version, rng):
     """Batch strides below 2**31 whose last batch starts past it: 32-bit offsets overflow there. The views
     share one allocation that is mostly never touched, so the test does little real work."""
-    if V2.ON_GPU:
+    if stepkit.ON_GPU:
         pytest.skip("the GPU version of this test uses real tensors (test_real_shape_past_2_31_elements)")
     B, N, D, stride_b = 3, 64, 32, 1_200_000_000
     storage = torch.empty(stride_b * (B - 1) + 3 * N * D, dtype=torch.float16)
@@ -869,7 +814,7 @@ def test_offsets_past_2_31_elements(version, rng):
     check(VERSIONS[version], q, k, v, True, rng)
 
 
-@pytest.mark.skipif(not V2.ON_GPU, reason="needs a GPU with room for 4 GiB tensors")
+@pytest.mark.skipif(not stepkit.ON_GPU, reason="needs a GPU with room for 4 GiB tensors")
 @pytest.mark.parametrize("version", VERSIONS)
 def test_real_shape_past_2_31_elements(version):
     """(129, 32, 4096, 128) in fp16: 2**31 + 2**24 elements per tensor. Compared with float64 on a few heads."""
@@ -899,7 +844,7 @@ def check_heads(q, k, v, out, do, D):
             assert_matches(got[b:b + 1, h:h + 1], want, torch.float16, f"{name} at b={b}, h={h}")
 
 
-# The tables that tools/tune.py measured and wrote into lessons 06, 11 and 13.
+# The tables that tools/tune.py measured and wrote into tuned_tables.json, as lessons 06, 11 and 13 read them.
 CASES = [(D, causal, bucket) for D in (64, 128) for causal in (False, True) for bucket in V2.TUNED_ON["buckets"]]
 
 
@@ -919,21 +864,6 @@ def test_the_tuned_tables_cover_every_case_with_valid_choices():
     assert set(HOPPER_FWD.FORWARD_PATHS.values()) <= {"gluon", "portable"}
     assert sorted(HOPPER.BACKWARD_PATHS) == sorted(CASES)
     assert set(HOPPER.BACKWARD_PATHS.values()) <= {"gluon", "two-pass", "atomic"}
-
-
-def test_tables_written_by_the_sweep_read_back_as_the_same_tables():
-    import tune
-
-    for table, expand in ((V2.TUNED_CONFIGS, "by_bucket"), (HOPPER_FWD.FORWARD_PATHS, "V2.by_bucket"),
-                          (HOPPER.BACKWARD_PATHS, "V2.by_bucket")):
-        namespace = {"by_bucket": V2.by_bucket, "V2": V2}
-        exec("\n".join(tune.literal_by_bucket("TABLE", table, expand)), namespace)
-        assert namespace["TABLE"] == table
-
-
-def test_a_table_row_without_a_value_for_every_bucket_is_refused():
-    with pytest.raises(ValueError, match=r"\(64, False\) has 2 values for the 5 buckets"):
-        V2.by_bucket({(64, False): ["gluon", "portable"]})
 
 
 class RecordingKernel:
@@ -979,7 +909,7 @@ def test_a_launch_plan_replays_only_the_launch_it_was_made_from(monkeypatch):
     assert [args[0] for _, args, _ in kernel.jit][-2:] == ["f", "g"] and len(V2.PLANS) == 4
 
 
-@pytest.mark.skipif(not V2.ON_GPU, reason="launch plans are kept on a GPU only")
+@pytest.mark.skipif(not stepkit.ON_GPU, reason="launch plans are kept on a GPU only")
 def test_plans_give_the_jit_bits_and_another_layout_gets_its_own(rng):
     V2.PLANS.clear()
     q, k, v = (randn((2, 3, 77, 64), torch.float16, rng) for _ in range(3))
@@ -1000,13 +930,41 @@ def test_plans_give_the_jit_bits_and_another_layout_gets_its_own(rng):
 def test_the_host_cells_read_a_benchmark_rate_back_as_time_per_call():
     import pandas as pd
 
-    rows = pd.DataFrame([dict(D=64, causal=c, N=1024, mode=m, provider=p, value=v, spread=0.0)
+    rows = pd.DataFrame([dict(D=64, causal=c, N=1024, mode=m, provider=p, value=v, spread=0.0, gpu_value=2 * v)
                          for c, m, p, v in ((False, "fwd", "x", 200.0), (True, "fwd", "x", 100.0),
                                             (True, "bwd", "x", 50.0), (True, "bwd", "y", 1.0))])
     flops = 4 * 2 * 3 * 1024 * 1024 * 64
     assert math.isclose(PROFILE.benchmark_ms(rows, "x", 2, 3, 1024, 64, False, "fwd"), flops / 200e9)
     assert math.isclose(PROFILE.benchmark_ms(rows, "x", 2, 3, 1024, 64, True, "fwd"), flops / 2 / 100e9)
     assert math.isclose(PROFILE.benchmark_ms(rows, "x", 2, 3, 1024, 64, True, "bwd"), 2.5 * flops / 2 / 50e9)
+    by_gpu = PROFILE.benchmark_ms(rows, "x", 2, 3, 1024, 64, True, "bwd", "gpu_value")
+    assert math.isclose(by_gpu, 2.5 * flops / 2 / 100e9)
+
+
+def test_the_host_cells_set_host_time_beside_the_benchmarks_two_times(monkeypatch, capsys):
+    """Lessons 12 and 13's pacing_rows: each call's GPU and back-to-back times from its own row of the benchmark
+    (the right provider, case and mode), its host time measured (also without launch plans, for ours only), in
+    microseconds, and a verdict read with the larger of the two spreads."""
+    import pandas as pd
+
+    flops = 4 * 2 * 3 * 1024 * 1024 * 64 / 1e9  # per call: 1 ms at 1 TFLOP per ms
+    rows = pd.DataFrame([dict(D=64, causal=False, N=1024, mode=m, provider=p, value=flops / b2b, spread=s,
+                              gpu_value=flops / gpu, gpu_spread=g)
+                         for m, p, b2b, gpu, s, g in (("fwd", "Ours", 0.048, 0.030, 0.01, 0.02),
+                                                      ("bwd", "Ours", 1.0, 1.0, 0.0, 0.0),
+                                                      ("fwd", "SDPA cuDNN", 0.031, 0.030, 0.2, 0.0))])
+    hosts = {"ours": 0.047, ("ours", "planless"): 0.090, "SDPA cuDNN": 0.020}
+    monkeypatch.setattr(PROFILE, "interleaved_host_ms", lambda calls: {name: hosts[name] for name in calls})
+    monkeypatch.setattr(PROFILE, "planless", lambda timer: timer)
+    calls = {"ours": "a timer", "SDPA cuDNN": "another"}
+    table = PROFILE.pacing_rows(rows, 2, 3, 1024, 64, False, "fwd", calls, {"ours": "Ours", "SDPA cuDNN": "SDPA cuDNN"})
+    assert table == [dict(D=64, causal=False, call="ours", **{"host (us)": 47, "host, no plans (us)": 90,
+                                                              "GPU (us)": 30, "back to back (us)": 48}),
+                     dict(D=64, causal=False, call="SDPA cuDNN", **{"host (us)": 20, "host, no plans (us)": None,
+                                                                    "GPU (us)": 30, "back to back (us)": 31})]
+    printed = capsys.readouterr().out.splitlines()
+    assert "ours: host-bound" in printed[0] and "spread (2%)" in printed[0]
+    assert "SDPA cuDNN: GPU-bound" in printed[1]  # within its 20% spread
 
 
 def test_the_host_integer_helpers_agree_with_tritons():
@@ -1020,8 +978,8 @@ def test_the_host_integer_helpers_agree_with_tritons():
 
 def test_tuned_case_applies_on_the_measured_architecture_only(monkeypatch):
     q = torch.empty(1, 1, 1500, 64, dtype=torch.float16)
-    assert V2.ON_GPU or V2.tuned_case(q, True) is None  # the interpreter runs its one configuration
-    monkeypatch.setattr(V2, "ON_GPU", True)
+    assert stepkit.ON_GPU or V2.tuned_case(q, True) is None  # the interpreter runs its one configuration
+    monkeypatch.setattr(stepkit, "ON_GPU", True)
     monkeypatch.setattr(V2, "_capability", lambda device: V2.TUNED_ON["capability"])
     buckets = V2.TUNED_ON["buckets"]
     for N, bucket in ((1, buckets[0]), (1500, 2048), (2048, 2048), (2049, 4096), (10 ** 6, buckets[-1])):
@@ -1096,50 +1054,6 @@ def test_the_gluon_check_runs_only_when_its_answer_matters(monkeypatch):
         HOPPER.choose_paths(q, q, q, True, 0.125, 1, None)
     with pytest.raises(TypeError, match="warp_specialized must be None, True or False"):
         HOPPER_FWD.use_warp_specialized(q, q, q, True, 0.125, "yes")
-
-
-def test_the_sweep_breaks_near_ties_between_paths_by_host_time():
-    import tune
-    # The case that went wrong: Gluon 3% cheaper, its host time almost its whole cost.
-    cost, host = {"two-pass": 0.328, "gluon": 0.318, "atomic": 0.406}, {"two-pass": 0.231, "gluon": 0.311,
-                                                                      "atomic": 0.273}
-    assert tune.steadiest_of_the_fastest(cost, host) == "two-pass"
-    assert tune.steadiest_of_the_fastest(cost, host, tied=0.0) == "gluon"  # no tie: the cheapest
-    # A clear win is kept whatever it asks of the host; equal host times fall back to the cost.
-    assert tune.steadiest_of_the_fastest({"a": 1.0, "b": 1.2}, {"a": 0.9, "b": 0.1}) == "a"
-    assert tune.steadiest_of_the_fastest({"a": 1.01, "b": 1.0}, {"a": 0.0, "b": 0.0}) == "b"
-
-
-def test_the_sweep_keeps_every_bucket_within_a_tie_of_its_fastest_with_fewer_configurations():
-    import random
-
-    import tune
-    # One configuration within the tie of the fastest everywhere: it alone serves every bucket.
-    times = {1024: {"a": 1.00, "b": 1.02}, 2048: {"a": 1.10, "b": 1.00}, 4096: {"a": 1.20, "b": 1.01, "c": 1.00}}
-    assert tune.fewest_configs(times, tied=0.03) == {1024: "b", 2048: "b", 4096: "b"}
-    # No tie: each bucket keeps its own fastest.
-    assert tune.fewest_configs(times, tied=0.0) == {1024: "a", 2048: "b", 4096: "c"}
-    rng = random.Random(0)
-    for _ in range(200):
-        table = {n: {c: rng.uniform(1.0, 1.2) for c in "abcdef" if rng.random() < 0.8 or c == "a"} for n in range(6)}
-        picked = tune.fewest_configs(table, tied=0.03)
-        assert set(picked) == set(table)
-        for n, c in picked.items():
-            assert table[n][c] <= 1.03 * min(table[n].values()), (table, picked)
-        assert len(set(picked.values())) <= len({min(t, key=t.get) for t in table.values()})
-
-
-def test_the_sweep_rewrites_only_its_own_block(tmp_path):
-    import tune
-    lesson = tmp_path / "lesson.py"
-    lesson.write_text("before = 1\n# BEGIN tools/tune.py things: written by the sweep\nOLD = {}\n"
-                      "# END tools/tune.py things\nafter = 2\n")
-    table = {(128, True, 1024): (64, 64, 4, 3), (64, False, 2048): (32, 64, 4, 4)}
-    tune.write_block(lesson, "things", tune.literal("NEW", table))
-    namespace = {}
-    exec(lesson.read_text(), namespace)
-    assert namespace["NEW"] == table and namespace["before"] == 1 and namespace["after"] == 2
-    assert "OLD" not in namespace
 
 
 @pytest.mark.parametrize("ratio, text", [(0.5, "0.50x"), (0.998, "0.998x"), (0.99997, "0.99997x"), (1.0005, "1.00x")])

@@ -1,10 +1,11 @@
-"""A two-version site, published with tools/publish.py, served on 127.0.0.1 and driven in headless Chromium:
-the root redirects to stable, the switcher lists both versions and lands on the same page of the other,
-plots load and open full size, download links answer, and the dev page warns that it is not the stable
-version. Every lesson page, Getting started and the performance page, at a desktop and a phone width, with
-every request to another host blocked: the page is no wider than the window, the header keeps the version
-switcher on one row, printed output wraps inside its column, plots are not shipped far larger than shown,
-everything comes from the site itself, and the math is typeset."""
+"""A two-version site, built as the docs workflow builds it (told where switcher.json is), published with
+tools/publish.py, served on 127.0.0.1 and driven in headless Chromium: the root redirects to stable, the
+switcher lists both versions and lands on the same page of the other, plots load and open full size, download
+links answer, and the dev page warns that it is not the stable version. Every lesson page, Getting started and
+the performance page, at a desktop and a phone width, with every request to another host blocked: the page is
+no wider than the window, the header keeps the version switcher on one row, printed output wraps inside its
+column, a lesson's code fits its column at 1400 px (88 columns) and on a phone scrolls inside its own block,
+plots are not shipped far larger than shown, everything comes from the site itself, and the math is typeset."""
 
 import functools
 import os
@@ -35,14 +36,18 @@ def find_chromium():
 
 @pytest.fixture(scope="module")
 def served_site(site, testrun_uid, tmp_path_factory):
-    """build/html published as dev, a second build labelled v1.0.0 published as that release."""
+    """Two builds as docs.yml makes them, with the switcher at the root: one labelled dev published as main,
+    one labelled v1.0.0 published as that release. (The local build, `site`, has no version menu: it has no
+    switcher.json. Built after it, these run no lesson again.)"""
     work = tmp_path_factory.mktemp("versions")
-    release = build_once(testrun_uid, ROOT / "build" / "release", env=dict(os.environ, DOCS_VERSION="v1.0.0"))
+    published = dict(os.environ, DOCS_SWITCHER_URL="/switcher.json")
+    dev = build_once(testrun_uid, ROOT / "build" / "published-dev", env=dict(published, DOCS_VERSION="dev"))
+    release = build_once(testrun_uid, ROOT / "build" / "release", env=dict(published, DOCS_VERSION="v1.0.0"))
     tree = work / "gh-pages"
     tree.mkdir()
     subprocess.run(["git", "init", "-q", "-b", "gh-pages", str(tree)], check=True)
     publish.publish(release, tree, "v1.0.0")
-    publish.publish(site, tree, "main")
+    publish.publish(dev, tree, "main")
 
     handler = functools.partial(QuietHandler, directory=str(tree))
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -190,6 +195,14 @@ TALL_OUTPUT = """() => [...document.querySelectorAll('div.sphx-glr-script-out pr
 # The parts of the links to the previous and next page that reach past the window's right edge.
 PAST_THE_EDGE = """() => [...document.querySelectorAll('.prev-next-area *')]
   .filter(e => e.getBoundingClientRect().right > window.innerWidth + 1).map(e => e.className)"""
+# The start of each code block (code cells and printed output) that scrolls sideways, with its longest line.
+WIDE_CODE = """() => [...document.querySelectorAll('div.highlight pre')]
+  .filter(pre => pre.scrollWidth > pre.clientWidth + 1)
+  .map(pre => [pre.innerText.slice(0, 60), Math.max(...pre.innerText.split('\\n').map(line => line.length))])"""
+# Each code cell of a lesson as [scrolls sideways inside its block, its overflow-x, its white-space].
+CODE_CELLS = """() => [...document.querySelectorAll('div.highlight-Python pre')]
+  .map(pre => [pre.scrollWidth > pre.clientWidth + 1, getComputedStyle(pre).overflowX,
+               getComputedStyle(pre).whiteSpace])"""
 # How far the article column scrolls sideways: code cells and tables scroll inside their own boxes.
 WIDE_ARTICLE = """() => { const a = document.querySelector('.bd-article-container');
   return a ? a.scrollWidth - a.clientWidth : 0; }"""
@@ -236,6 +249,14 @@ def test_page_reads_well_offline(served_site, browser, path, width):
 
         if path == "performance.html":
             assert page.evaluate(SUMMARY_FITS), f"the summary table scrolls sideways at {width} px"
+        if path.startswith("tutorials/") and width == WIDTHS["desktop"]:
+            # The lessons hold code to 88 columns (ruff, tutorials/ruff.toml), and the page's code font fits them.
+            assert not page.evaluate(WIDE_CODE), "code blocks that scroll sideways (start, longest line)"
+        if path.startswith("tutorials/") and width == WIDTHS["phone"]:
+            cells = page.evaluate(CODE_CELLS)
+            assert any(scrolls for scrolls, _, _ in cells), "no code cell wider than a phone: the test sees nothing"
+            assert all(overflow == "auto" and space == "pre" for _, overflow, space in cells), (
+                "code keeps its lines and scrolls inside its own block")
 
         hints = page.evaluate(PLOT_HINTS)
         if width == WIDTHS["phone"]:

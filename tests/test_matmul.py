@@ -6,8 +6,8 @@ import pytest
 import torch
 from lessons import load
 
-# Loaded before Triton is imported: the lesson switches the interpreter on where there is no GPU, and
-# Triton's own library functions (tl.cdiv, tl.max, ...) are defined for one mode or the other at import.
+# Loaded before Triton is imported: the lesson's stepkit switches the interpreter on where there is no GPU,
+# and Triton's own library functions (tl.cdiv, tl.max, ...) are defined for one mode or the other at import.
 L = load("04-tiled-matmul")
 
 import triton  # noqa: E402
@@ -144,6 +144,17 @@ def test_grouped_order_needs_fewer_slices_in_flight():
     assert row_major == (5, 32) and grouped == (8, 17)
 
 
+def test_the_benchmark_rows_carry_both_times_and_the_tile_picked():
+    """Every row has value (back to back) and spread, and on a GPU gpu_value (GPU time): the results contract."""
+    rows, tiles = L.run_benchmark([16, 32])
+    assert {(row["size"], row["provider"]) for row in rows} == {
+        (n, name) for n in (16, 32) for name in (*L.ORDERS, L.PEER)}
+    for row in rows:
+        assert row["value"] > 0 and row["spread"] >= 0
+        assert ("gpu_value" in row) == L.kit.ON_GPU
+    assert set(tiles) == {16, 32} and all({"BLOCK_M", "BLOCK_N", "BLOCK_K"} <= set(t) for t in tiles.values())
+
+
 def test_tile_intensity():
     assert L.tile_intensity(128, 128) == 64 and L.tile_intensity(128, 256, 2) == pytest.approx(85.33, abs=0.01)
     assert L.tile_intensity(64, 64, 4) == 16
@@ -273,6 +284,6 @@ def test_exercise_check_accepts_a_correct_solution(exercise, capsys):
 @pytest.mark.parametrize("exercise, wrong", [(e, w) for e, (_, _, wrongs) in EXERCISES.items() for w in wrongs])
 def test_exercise_check_rejects_a_wrong_solution(exercise, wrong, capsys):
     check_fn, _, wrongs = EXERCISES[exercise]
-    with pytest.raises(AssertionError, match=r"at (B, )?M, N, K = "):
+    with pytest.raises(AssertionError, match=r"on (B, )?M, N, K = "):
         check_fn(wrongs[wrong])
     assert "correct" not in capsys.readouterr().out

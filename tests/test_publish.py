@@ -34,11 +34,13 @@ sys.exit(publish.main(sys.argv[1:]))
 """
 
 
-def fake_build(root, label, marker, pages=0):
-    """A minimal finished build, labelled as Sphinx labels it, with pages more generated pages."""
+def fake_build(root, label, marker, pages=0, switcher="/switcher.json"):
+    """A minimal finished build, labelled as Sphinx labels it, its pages reading the versions at switcher (as
+    pydata-sphinx-theme writes it; None: no switcher), with pages more generated pages."""
     build = root / f"build-{label}-{marker}"
     (build / "_static").mkdir(parents=True)
-    (build / "index.html").write_text(f"<html>{label} {marker}</html>")
+    reads = f"<script>DOCUMENTATION_OPTIONS.theme_switcher_json_url = '{switcher}';</script>" if switcher else ""
+    (build / "index.html").write_text(f"<html>{reads}{label} {marker}</html>")
     (build / "tutorials").mkdir()
     (build / "tutorials" / "page.html").write_text(marker)
     options = f"const DOCUMENTATION_OPTIONS = {{VERSION: '{label}'}};"
@@ -48,6 +50,9 @@ def fake_build(root, label, marker, pages=0):
         page.parent.mkdir(parents=True, exist_ok=True)
         page.write_text(f"{marker} {i} " * 40)
     return build
+
+
+REPO = "/repo/switcher.json"  # where builds published with --base-url /repo/ read the versions
 
 
 def git_tree(path, branch="gh-pages"):
@@ -91,14 +96,15 @@ def tree(tmp_path):
 
 
 def test_releases_main_and_stable_over_several_publishes(tmp_path, tree):
-    publish.publish(fake_build(tmp_path, "v1.0.0", "a"), tree, "v1.0.0", base_url="/repo")
+    publish.publish(fake_build(tmp_path, "v1.0.0", "a", switcher=REPO), tree, "v1.0.0", base_url="/repo")
     assert "stable/" in (tree / "index.html").read_text()
-    publish.publish(fake_build(tmp_path, "dev", "first"), tree, "main", base_url="/repo")
-    publish.publish(fake_build(tmp_path, "dev", "second"), tree, "main", base_url="/repo")
+    publish.publish(fake_build(tmp_path, "dev", "first", switcher=REPO), tree, "main", base_url="/repo")
+    publish.publish(fake_build(tmp_path, "dev", "second", switcher=REPO), tree, "main", base_url="/repo")
     assert (tree / "dev" / "tutorials" / "page.html").read_text() == "second"  # main replaces dev/
     v100 = snapshot(tree / "v1.0.0")
-    publish.publish(fake_build(tmp_path, "v1.1.0", "b"), tree, "v1.1.0", base_url="/repo")
-    publish.publish(fake_build(tmp_path, "v0.9.0", "c"), tree, "v0.9.0", base_url="/repo")  # older, later
+    publish.publish(fake_build(tmp_path, "v1.1.0", "b", switcher=REPO), tree, "v1.1.0", base_url="/repo")
+    # An older release, published later.
+    publish.publish(fake_build(tmp_path, "v0.9.0", "c", switcher=REPO), tree, "v0.9.0", base_url="/repo")
     assert snapshot(tree / "v1.0.0") == v100  # other versions untouched
     assert snapshot(tree / "stable") == snapshot(tree / "v1.1.0")  # stable = the newest release
     entries = switcher(tree)
@@ -261,6 +267,18 @@ def test_bad_builds_are_refused(tmp_path, tree):
     with pytest.raises(publish.PublishError, match="not a directory"):
         publish.publish(tmp_path / "missing", tree, "main")
     assert snapshot(tree) == {}
+
+
+def test_a_build_whose_pages_would_show_no_versions_is_refused(tmp_path, tree):
+    """A local build has no version switcher; a build told another address than the publish's would look for
+    the versions where nothing is: either would publish pages with no version menu, or an empty one."""
+    with pytest.raises(publish.PublishError, match=r"has no version switcher.*DOCS_SWITCHER_URL=/switcher\.json"):
+        publish.publish(fake_build(tmp_path, "dev", "local", switcher=None), tree, "main")
+    with pytest.raises(publish.PublishError, match=r"reads its list of versions at '/switcher\.json'.*"
+                                                   r"DOCS_SWITCHER_URL=/repo/switcher\.json"):
+        publish.publish(fake_build(tmp_path, "dev", "elsewhere"), tree, "main", base_url="/repo/")
+    assert snapshot(tree) == {}
+    publish.publish(fake_build(tmp_path, "dev", "right", switcher=REPO), tree, "main", base_url="/repo/")
 
 
 def test_targets_other_than_a_gh_pages_worktree_root_are_refused(tmp_path, tree):
@@ -614,7 +632,8 @@ def test_base_urls_that_would_break_the_switcher_are_refused(tmp_path, tree, bas
 
 @pytest.mark.parametrize("base_url", ["/", "/repo", "/repo/", "https://example.org/repo/"])
 def test_base_urls_from_the_root_or_absolute_are_accepted(tmp_path, tree, base_url):
-    publish.publish(fake_build(tmp_path, "dev", "a"), tree, "main", base_url=base_url)
+    build = fake_build(tmp_path, "dev", "a", switcher=base_url.rstrip("/") + "/switcher.json")
+    publish.publish(build, tree, "main", base_url=base_url)
     assert switcher(tree)[0]["url"] == base_url.rstrip("/") + "/dev/"
 
 

@@ -7,14 +7,20 @@ import ast
 import copy
 import html
 import json
+import os
 import re
 import runpy
 import shutil
+import subprocess
+import sys
 import zipfile
 from html.parser import HTMLParser
+from pathlib import Path
 
+import lesson_files
 import perf_summary
 import pytest
+import yaml
 from conftest import ROOT, TUTORIALS, sphinx
 from lessons import stems
 
@@ -144,6 +150,209 @@ def test_the_repository_setting_follows_github_actions(monkeypatch):
     assert conf["html_theme_options"]["github_url"] == "https://github.com/someone/a-fork"
 
 
+def run_conf(monkeypatch, **env):
+    """conf.py's settings under the environment variables given (None: unset)."""
+    monkeypatch.setenv("TUTORIAL_RESULTS_DIR", str(RESULTS))  # conf.py exports it: keep this process's value
+    for name, value in env.items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    return runpy.run_path(str(ROOT / "docs" / "conf.py"))
+
+
+def test_the_version_menu_only_where_a_switcher_file_is_published(monkeypatch):
+    """A local build has no switcher.json to read: no version menu (an empty one was the bug), no banner that
+    needs it. The published build, told where the file is (docs.yml), keeps both."""
+    options = run_conf(monkeypatch, DOCS_SWITCHER_URL=None)["html_theme_options"]
+    assert "version-switcher" not in options["navbar_start"] and "switcher" not in options
+    assert not options.get("show_version_warning_banner")
+    conf = run_conf(monkeypatch, DOCS_SWITCHER_URL="/a-repo/switcher.json", DOCS_VERSION="v1.2.0")
+    options = conf["html_theme_options"]
+    assert options["navbar_start"] == ["navbar-logo", "version-switcher"]
+    assert options["switcher"] == {"json_url": "/a-repo/switcher.json", "version_match": "v1.2.0"}
+    assert options["show_version_warning_banner"] and options["check_switcher"] is False
+    build = yaml.safe_load((ROOT / ".github" / "workflows" / "docs.yml").read_text())["jobs"]["build"]
+    assert build["env"]["DOCS_SWITCHER_URL"] == "/${{ github.event.repository.name }}/switcher.json"
+
+
+def test_a_local_build_shows_no_version_menu(site):
+    if os.environ.get("DOCS_SWITCHER_URL"):
+        pytest.skip("this build was told where a switcher file is")
+    for page in ("index.html", f"tutorials/{LESSONS[0]}.html"):
+        assert "version-switcher" not in (site / page).read_text(), page
+
+
+def head_commit():
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+
+def test_downloads_fetch_at_the_release_or_the_commit_built(monkeypatch):
+    """The version a downloaded lesson fetches its files at: a release's tag, else the commit built (GitHub's
+    GITHUB_SHA, else git's HEAD); never a branch, which moves."""
+    conf = run_conf(monkeypatch, DOCS_VERSION="v1.2.0", GITHUB_SHA="a" * 40)
+    assert conf["download_ref"] == "v1.2.0"
+    assert 'ref = "v1.2.0"' in conf["sphinx_gallery_conf"]["first_notebook_cell"]
+    assert run_conf(monkeypatch, DOCS_VERSION="dev", GITHUB_SHA="a" * 40)["download_ref"] == "a" * 40
+    assert run_conf(monkeypatch, DOCS_VERSION="v01.2.0", GITHUB_SHA=None)["download_ref"] == head_commit()
+    assert run_conf(monkeypatch, DOCS_VERSION=None, GITHUB_SHA="main")["download_ref"] == head_commit()
+
+
+def fetched_by(cell, folder, monkeypatch, name="__main__"):
+    """The URLs cell downloads from, and to where, run in folder as a module called name (no network: the
+    download is recorded, and writes the URL into the file)."""
+    import urllib.request
+
+    fetched = []
+
+    def retrieve(url, path):
+        fetched.append((url, str(path)))
+        Path(path).write_text(url)
+
+    monkeypatch.setattr(urllib.request, "urlretrieve", retrieve)
+    monkeypatch.chdir(folder)
+    exec(compile(cell, "<first cell>", "exec"), {"__name__": name})
+    return fetched
+
+
+def test_the_first_cell_fetches_what_is_missing_at_one_version(tmp_path, monkeypatch):
+    files = ["stepkit.py", "tuned_tables.json", "02-a.py", "03-b.py"]
+    cell = lesson_files.download_cell("someone/a-fork", "v1.2.0", files)
+    assert "# %pip install torch triton matplotlib pandas" in cell
+    (tmp_path / "stepkit.py").write_text("")  # there already
+    (tmp_path / "03-b.ipynb").write_text("{}")  # a sibling lesson as a notebook serves as well as its script
+    base = "https://raw.githubusercontent.com/someone/a-fork/v1.2.0/tutorials/"
+    assert fetched_by(cell, tmp_path, monkeypatch) == [(base + "tuned_tables.json", "tuned_tables.json"),
+                                                       (base + "02-a.py", "02-a.py")]
+    assert fetched_by(cell, tmp_path, monkeypatch) == [], "a second run fetches nothing"
+    (tmp_path / "tuned_tables.json").unlink()
+    # Another lesson loading this notebook as a module: the cell must do nothing there.
+    assert fetched_by(cell, tmp_path, monkeypatch, name="lesson_04_c") == []
+    # A build that cannot name its version fetches nothing, and says to take the zip.
+    unknown = lesson_files.download_cell("someone/a-fork", None, files)
+    assert "urlretrieve" not in unknown and "zip of all notebooks" in unknown and "pip install" in unknown
+    assert fetched_by(unknown, tmp_path, monkeypatch) == []
+
+
+def fake_lessons(folder, loads):
+    """Lessons in folder, {stem: [stems it loads]}, with the shared files beside them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for stem, loaded in loads.items():
+        lines = [f'"""\n{stem}\n{"=" * len(stem)}\n"""', "import stepkit as kit"]
+        lines += [f'{name.split("-")[1].upper()} = kit.load_lesson("{name}")' for name in loaded]
+        (folder / f"{stem}.py").write_text("\n".join(lines) + "\n")
+    (folder / "stepkit.py").write_text("def load_lesson(stem):\n    pass\n")
+    (folder / "tuned_tables.json").write_text("{}\n")
+    return folder
+
+
+LOADS = {"01-a": [], "02-b": ["01-a"], "03-c": ["02-b"], "04-d": ["01-a", "03-c"], "05-e": ["05-e"]}
+
+
+def test_a_lesson_needs_the_shared_files_and_what_it_loads_transitively(tmp_path):
+    lessons = fake_lessons(tmp_path, LOADS)
+    assert lesson_files.lessons(lessons) == list(LOADS)
+    assert {stem: lesson_files.needs(lessons, stem) for stem in LOADS} == {
+        "01-a": ["stepkit.py", "tuned_tables.json"],
+        "02-b": ["stepkit.py", "tuned_tables.json", "01-a.py"],
+        "03-c": ["stepkit.py", "tuned_tables.json", "01-a.py", "02-b.py"],
+        "04-d": ["stepkit.py", "tuned_tables.json", "01-a.py", "02-b.py", "03-c.py"],
+        "05-e": ["stepkit.py", "tuned_tables.json"]}
+
+
+def test_a_lesson_reruns_when_a_file_it_needs_changes(tmp_path):
+    """Sphinx-Gallery reruns a lesson whose .md5 is gone: the rule removes it where a needed file changed."""
+    lessons, gallery = fake_lessons(tmp_path / "tutorials", LOADS), tmp_path / "gallery"
+
+    def built():  # what Sphinx-Gallery leaves after running every lesson
+        for stem in LOADS:
+            (gallery / f"{stem}.py.md5").write_text("x")
+
+    def rerun():
+        kept = [stem for stem in LOADS if (gallery / f"{stem}.py.md5").exists()]
+        found = lesson_files.rerun_when_needs_change(lessons, gallery)
+        assert [stem for stem in kept if not (gallery / f"{stem}.py.md5").exists()] == [s for s in found if s in kept]
+        return found
+
+    assert rerun() == list(LOADS), "no record yet: every lesson runs"
+    built()
+    assert rerun() == []
+    (lessons / "tuned_tables.json").write_text('{"x": 1}\n')
+    assert rerun() == list(LOADS)
+    built()
+    (lessons / "01-a.py").write_text((lessons / "01-a.py").read_text() + "# changed\n")
+    assert rerun() == ["02-b", "03-c", "04-d"], "the lessons that load 01-a, directly or not (01-a: its own md5)"
+    assert rerun() == [], "the rule removed the .md5s: it has nothing more to say until the files change"
+    built()
+    (lessons / "03-c.py").write_text((lessons / "03-c.py").read_text().replace('kit.load_lesson("02-b")', ""))
+    assert rerun() == ["03-c", "04-d"], "a lesson that stops loading one changes what it needs"
+    built()
+    (gallery / "04-d.needs.json").write_text("not json")
+    assert rerun() == ["04-d"]
+
+
+def test_the_build_reruns_a_lesson_when_a_file_it_needs_changes(tmp_path):
+    """The rule in a real build, on a copy of the site with three small lessons (02-b loads 01-a): each run
+    leaves a line in ran.txt. Sphinx-Gallery alone would rerun only a lesson whose own file changed."""
+    generated = shutil.ignore_patterns("tutorials", "sg_execution_times.rst")
+    shutil.copytree(ROOT / "docs", tmp_path / "docs", ignore=generated)
+    lessons = fake_lessons(tmp_path / "tutorials", {"01-a": [], "02-b": ["01-a"], "03-c": []})
+    shutil.copy(TUTORIALS / "GALLERY_HEADER.rst", lessons)
+    for lesson in lessons.glob("0*.py"):
+        lesson.write_text(lesson.read_text() + f"with open({str(tmp_path / 'ran.txt')!r}, 'a') as ran:\n"
+                          f"    print('{lesson.stem}', file=ran)\n")
+    env = dict(os.environ, TUTORIAL_RESULTS_DIR=str(tmp_path / "results"))
+
+    def ran():
+        (tmp_path / "ran.txt").write_text("")
+        result = sphinx(tmp_path, tmp_path / "build", env=env)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+        return sorted((tmp_path / "ran.txt").read_text().split())
+
+    assert ran() == ["01-a", "02-b", "03-c"]
+    assert ran() == [], "nothing changed: nothing runs"
+    (lessons / "stepkit.py").write_text((lessons / "stepkit.py").read_text() + "# changed\n")
+    assert ran() == ["01-a", "02-b", "03-c"]
+    (lessons / "01-a.py").write_text((lessons / "01-a.py").read_text() + "# changed\n")
+    assert ran() == ["01-a", "02-b"]
+
+
+def test_a_lesson_s_downloads_carry_what_it_needs(tmp_path):
+    """refresh_downloads on a gallery as Sphinx-Gallery leaves it: each notebook's first cell names its own
+    needs at the build's version, its own zip follows and holds those needs, and the zips of all lessons hold
+    the shared files (the notebooks' zip no notebook of them)."""
+    lessons, gallery = fake_lessons(tmp_path / "tutorials", LOADS), tmp_path / "tutorials-out"
+    gallery.mkdir()
+    shared_cell = lesson_files.download_cell("o/r", "v1.0.0", lesson_files.SHARED)
+    for stem in LOADS:
+        shutil.copy(lessons / f"{stem}.py", gallery)
+        notebook = {"cells": [{"cell_type": "code", "source": [shared_cell]}, {"cell_type": "code", "source": ["1"]}],
+                    "metadata": {}, "nbformat": 4, "nbformat_minor": 0}
+        (gallery / f"{stem}.ipynb").write_text(json.dumps(notebook, indent=2))
+    for kind, suffix in (("python", ".py"), ("jupyter", ".ipynb")):
+        with zipfile.ZipFile(gallery / f"{gallery.name}_{kind}.zip", "w") as bundle:
+            for stem in LOADS:
+                bundle.write(gallery / f"{stem}{suffix}", f"{stem}{suffix}")
+    lesson_files.refresh_downloads(lessons, gallery, "o/r", "v1.0.0")
+    for stem in LOADS:
+        notebook = json.loads((gallery / f"{stem}.ipynb").read_text())
+        assert "".join(notebook["cells"][0]["source"]) == lesson_files.download_cell(
+            "o/r", "v1.0.0", lesson_files.needs(lessons, stem))
+        with zipfile.ZipFile(gallery / f"{stem}.zip") as bundle:
+            assert json.loads(bundle.read(f"{stem}.ipynb")) == notebook
+            assert sorted(bundle.namelist()) == sorted([f"{stem}.py", f"{stem}.ipynb",
+                                                        *lesson_files.needs(lessons, stem)])
+    with zipfile.ZipFile(gallery / f"{gallery.name}_python.zip") as bundle:
+        assert sorted(bundle.namelist()) == sorted([f"{stem}.py" for stem in LOADS] + list(lesson_files.SHARED))
+        assert bundle.read("stepkit.py") == (lessons / "stepkit.py").read_bytes()
+    with zipfile.ZipFile(gallery / f"{gallery.name}_jupyter.zip") as bundle:
+        assert sorted(bundle.namelist()) == sorted([f"{stem}.ipynb" for stem in LOADS] + list(lesson_files.SHARED))
+        assert bundle.read("04-d.ipynb") == (gallery / "04-d.ipynb").read_bytes(), "the refreshed notebook"
+    before = {path.name: path.read_bytes() for path in gallery.iterdir()}
+    lesson_files.refresh_downloads(lessons, gallery, "o/r", "v1.0.0")
+    assert {path.name: path.read_bytes() for path in gallery.iterdir()} == before, "a second pass changes nothing"
+
+
 def test_a_renamed_lesson_leaves_nothing_behind(monkeypatch, tmp_path):
     monkeypatch.setenv("TUTORIAL_RESULTS_DIR", str(RESULTS))
     forget = runpy.run_path(str(ROOT / "docs" / "conf.py"))["forget_removed_lessons"]
@@ -182,7 +391,17 @@ def test_results_follow_the_contract_and_every_benchmark_left_them(site):
 
 GOOD_RECORD = {"tutorial": "01-x", "platform": "GPU: test", "on_gpu": True, "date": "2026-11-22", "benchmarks": [
     {"name": "b", "unit": "GB/s", "ceiling_name": "copy bandwidth", "ceiling": 100.0, "ours": ["mine"],
-     "peers": ["a"], "rows": [{"N": 1, "provider": "mine", "value": 50.0}, {"N": 1, "provider": "a", "value": None}]}]}
+     "peers": ["a"], "rows": [
+        {"N": 1, "provider": "mine", "value": 50.0, "gpu_value": 60.0, "spread": 0.02, "gpu_spread": 0.0,
+         "gpu_method": "CUDA graph"},
+        {"N": 1, "provider": "a", "value": None, "gpu_value": float("nan")}]}]}
+CPU_RECORD = {**GOOD_RECORD, "on_gpu": False, "platform": "Triton interpreter on CPU", "benchmarks": [
+    {**GOOD_RECORD["benchmarks"][0], "rows": [{"N": 1, "provider": "mine", "value": 50.0, "spread": 0.3},
+                                              {"N": 1, "provider": "a", "value": 40.0}]}]}
+
+
+def row_of(record, r):
+    return record["benchmarks"][0]["rows"][r]
 
 
 @pytest.mark.parametrize("field, change", [
@@ -216,6 +435,26 @@ GOOD_RECORD = {"tutorial": "01-x", "platform": "GPU: test", "on_gpu": True, "dat
     ("benchmarks[0].ceiling_per_case", lambda r: r["benchmarks"][0].update(ceiling_per_case=3)),
     ("benchmarks[0].ceiling_per_case", lambda r: r["benchmarks"][0].update(ceiling_per_case="copy")),
     ("benchmarks[0].ceiling_per_case", lambda r: r["benchmarks"][0].update(ceiling_per_case="a")),
+    # GPU time: on a GPU in every row of ours and of a peer, a rate like value; spreads >= 0; a known method.
+    ("benchmarks[0].rows[0].gpu_value", lambda r: row_of(r, 0).pop("gpu_value")),
+    ("benchmarks[0].rows[1].gpu_value", lambda r: row_of(r, 1).pop("gpu_value")),
+    ("benchmarks[0].rows[0].gpu_value", lambda r: row_of(r, 0).update(gpu_value=0.0)),
+    ("benchmarks[0].rows[0].gpu_value", lambda r: row_of(r, 0).update(gpu_value="60")),
+    ("benchmarks[0].rows[0].gpu_value", lambda r: row_of(r, 0).update(gpu_value=float("inf"))),
+    ("benchmarks[0].rows[0].spread", lambda r: row_of(r, 0).update(spread=-0.01)),
+    ("benchmarks[0].rows[0].spread", lambda r: row_of(r, 0).update(spread=float("inf"))),
+    ("benchmarks[0].rows[0].spread", lambda r: row_of(r, 0).update(spread=True)),
+    ("benchmarks[0].rows[0].gpu_spread", lambda r: row_of(r, 0).update(gpu_spread="0.1")),
+    ("benchmarks[0].rows[0].gpu_method", lambda r: row_of(r, 0).update(gpu_method="events")),
+    ("benchmarks[0].rows[0].gpu_method", lambda r: row_of(r, 0).update(gpu_method=None)),
+    # A copy that is each case's ceiling carries GPU time as ours do.
+    ("benchmarks[0].rows[2].gpu_value", lambda r: (r["benchmarks"][0].update(ceiling_per_case="copy"),
+                                                   r["benchmarks"][0]["rows"].append(
+                                                       {"N": 1, "provider": "copy", "value": 80.0}))),
+    # Without a GPU there is no GPU time to give.
+    ("benchmarks[0].rows[0].gpu_value", lambda r: r.update(on_gpu=False)),
+    ("benchmarks[0].rows[0].gpu_method", lambda r: (r.update(on_gpu=False), row_of(r, 0).pop("gpu_value"),
+                                                    row_of(r, 0).pop("gpu_spread"), row_of(r, 1).pop("gpu_value"))),
 ])
 def test_validate_record_names_the_bad_field(field, change):
     perf_summary.validate_record(GOOD_RECORD)
@@ -225,8 +464,35 @@ def test_validate_record_names_the_bad_field(field, change):
         perf_summary.validate_record(record)
 
 
-def test_a_case_s_own_ceiling_divides_the_fractions_of_that_case():
+def test_what_a_row_measured_is_no_case_column():
+    """Rows may differ in their measured fields (a provider that is neither ours nor a peer needs no GPU time,
+    a spread is optional); the case columns must still agree."""
+    perf_summary.validate_record(CPU_RECORD)
     record = copy.deepcopy(GOOD_RECORD)
+    record["benchmarks"][0]["rows"].append({"N": 1, "provider": "other", "value": 5.0})
+    perf_summary.validate_record(record)
+    assert perf_summary.case_columns(record["benchmarks"][0]) == ["N"]
+    assert [case["case"] for case in perf_summary.per_case(record["benchmarks"][0])] == [{"N": 1}]
+
+
+def test_the_page_and_the_lessons_share_the_spread_limit_and_the_method():
+    """perf_summary's SPREAD_LIMIT is stepkit's, and the page's "How we time" states stepkit's constants."""
+    constants = {node.targets[0].id: node.value for node in ast.parse((TUTORIALS / "stepkit.py").read_text()).body
+                 if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)}
+    value = {name: ast.literal_eval(constants[name]) for name in ("SPREAD_LIMIT", "MAX_PASSES", "WARM_UP_S")}
+    assert perf_summary.SPREAD_LIMIT == value["SPREAD_LIMIT"]
+    assert ast.unparse(constants["FLUSH_BYTES"]) == "256 << 20"
+    assert ast.unparse(constants["PASSES"]) == "2 if ON_GPU else 1"
+    page = (ROOT / "docs" / "performance.md").read_text()
+    method = page.split("(how-we-time)=\n## How we time\n", 1)[1]
+    for said in (f"more than {value['SPREAD_LIMIT']:.0%}", f"up to {value['MAX_PASSES']} passes",
+                 f"same {value['WARM_UP_S'] * 1000:.0f} ms", "256 MiB", "two on a GPU", "CUDA graph",
+                 "profiler", "torch.autograd.grad(out, inputs, dout)", "fastest of three"):
+        assert said in method, said
+
+
+def test_a_case_s_own_ceiling_divides_the_fractions_of_that_case():
+    record = copy.deepcopy(CPU_RECORD)
     bench = record["benchmarks"][0]
     bench["rows"] += [{"N": 1, "provider": "copy", "value": 80.0}, {"N": 2, "provider": "mine", "value": 30.0},
                       {"N": 2, "provider": "copy", "value": None}]
@@ -237,6 +503,17 @@ def test_a_case_s_own_ceiling_divides_the_fractions_of_that_case():
     assert perf_summary.ceiling_ranges([record]) == []  # no fraction divides by the device's figure
     del bench["ceiling_per_case"]
     assert [case["kernels"]["mine"]["fraction"] for case in perf_summary.per_case(bench)] == [0.5, 0.3]
+
+
+def test_on_a_gpu_fractions_are_of_gpu_time_as_the_ceilings_are():
+    record = copy.deepcopy(GOOD_RECORD)
+    bench = record["benchmarks"][0]
+    bench["rows"].append({"N": 1, "provider": "copy", "value": 50.0, "gpu_value": 80.0})
+    perf_summary.validate_record(record)
+    assert perf_summary.per_case(bench)[0]["kernels"]["mine"]["fraction"] == 0.6  # 60 of 100, by GPU time
+    bench["ceiling_per_case"] = "copy"
+    perf_summary.validate_record(record)
+    assert perf_summary.per_case(bench)[0]["kernels"]["mine"]["fraction"] == 60.0 / 80.0
 
 
 def test_the_phone_cards_name_the_summary_columns_as_its_header_does():
@@ -265,6 +542,10 @@ def page_tables(page):
     return re.findall(r"<table.*?</table>", page, re.S)
 
 
+# A ratio as the page writes it: two decimals or more, or a range where the timings spread; then the peer.
+RATIO = r"(\d+\.\d{2,6}x|\d+(\.\d+)?\u2013\d+(\.\d+)?x) .+"
+
+
 def test_performance_page_is_computed_from_this_build(site):
     results = perf_summary.load_results(RESULTS)
     page = (site / "performance.html").read_text()
@@ -273,19 +554,22 @@ def test_performance_page_is_computed_from_this_build(site):
         assert f"tutorials/{result['tutorial']}.html" in hrefs, f"{result['tutorial']} does not link to its page"
     if not all(r["on_gpu"] for r in results):
         assert "measure the interpreter, not a GPU" in page
-    # Each quantity in one format: ratios 0.00x, fractions 0%, ceilings as format_rate writes them.
+    # Each quantity in one format: ratios 0.00x (or a range), fractions 0%, ceilings as format_rate writes them.
     ceilings = {f"\u201c{b['ceiling_per_case']}\u201d at each case" if "ceiling_per_case" in b else
                 f"{b['ceiling_name']}: {perf_summary.format_rate(b['ceiling'])} {b['unit']}"
                 for r in results for b in r["benchmarks"]}
-    ratio = r"n/a|\d+\.\d\dx .+ \(.*\)"
+    ratios = rf"n/a|best {RATIO} \(.*\), worst {RATIO} \(.*\)"
     summary = page_tables(page)[0]
-    assert [row for row in table_rows(summary, "th") if row] == [
-        ["tutorial", "benchmark", "kernel", "best vs. peer", "worst vs. peer", "of ceiling", "ceiling"]]
+    assert [row for row in table_rows(summary, "th") if row] == [perf_summary.SUMMARY_HEADER] == [
+        ["tutorial", "benchmark", "kernel", "vs. peer, GPU time", "vs. peer, back to back", "of ceiling", "ceiling"]]
     rows = [row for row in table_rows(summary) if row]
-    assert rows
-    for _, _, _, best, worst, fraction, ceiling in rows:
-        assert re.fullmatch(ratio, best) and re.fullmatch(ratio, worst), (best, worst)
-        assert re.fullmatch(r"best \d+% \(.*\), worst \d+% \(.*\)", fraction), fraction
+    assert rows == [[r["tutorial"], *perf_summary.summary_row(b, s)]
+                    for r in results for b in r["benchmarks"] for s in perf_summary.summarize(b)]
+    on_gpu = [r["on_gpu"] for r in results for b in r["benchmarks"] for s in perf_summary.summarize(b)]
+    for (_, _, _, gpu, back_to_back, fraction, ceiling), gpu_record in zip(rows, on_gpu, strict=True):
+        assert re.fullmatch(ratios, gpu) and re.fullmatch(ratios, back_to_back), (gpu, back_to_back)
+        assert gpu_record or gpu == "n/a", "GPU time on the interpreter's row"
+        assert re.fullmatch(r"n/a|best \d+% \(.*\), worst \d+% \(.*\)", fraction), fraction
         assert ceiling in ceilings, (ceiling, ceilings)
     # Between the summary and the first benchmark's heading: the range of every ceiling measured more than once.
     between = page.split("</table>", 1)[1].split('<p class="rubric">', 1)[0]
@@ -301,36 +585,50 @@ def test_performance_page_is_computed_from_this_build(site):
     for (name, unit), runs in measurements.items():
         said = [s for s in sentences if s.startswith(f"The {name} was measured {len(runs)} times in this build")]
         assert len(said) == (len(runs) > 1), (name, runs, sentences)
+    # Where the numbers' method is defined, for the lessons to link to.
+    assert '<section id="how-we-time">' in page and "<h2>How we time" in page
 
 
 def test_performance_page_shows_every_case(site):
     """Below the summary, each benchmark's heading names and links its lesson, a line under it gives the
-    ceiling of its run, and its table shows every case as case_table computes it from this build's
-    results, under headers that name the kernel but not the ceiling."""
+    ceiling of its run (and names the providers whose GPU time came from the profiler), and its table shows
+    every case and kernel as case_table computes them from this build's results: on a GPU both ratios and
+    the limit that binds."""
     results = perf_summary.load_results(RESULTS)
     page = (site / "performance.html").read_text()
     sections = re.findall(r'<p class="rubric">(.*?)</p>\s*<p>(.*?)</p>\s*(?:<div[^>]*>\s*)?(<table.*?</table>)',
                           page, re.S)
-    benches = [(r["tutorial"], b) for r in results for b in r["benchmarks"]]
+    benches = [(r, b) for r in results for b in r["benchmarks"]]
     assert len(sections) == len(benches) == len(page_tables(page)) - 1
-    for (heading, ceiling, table), (tutorial, bench) in zip(sections, benches):
+    for (heading, ceiling, table), (result, bench) in zip(sections, benches):
+        tutorial = result["tutorial"]
         assert f'href="tutorials/{tutorial}.html"' in heading, heading
         assert text_of(heading) == f"{tutorial}: {bench['name']}"
         rate = f"{perf_summary.format_rate(bench['ceiling'])} {bench['unit']}"
-        assert text_of(ceiling).replace("\u2019", "'") == (
-            f"Ceiling: at each case, \u201c{bench['ceiling_per_case']}\u201d measured there in the same run (the "
-            f"device's {bench['ceiling_name']}: {rate})." if "ceiling_per_case" in bench else
-            f"Ceiling: {bench['ceiling_name']}, {rate}, measured in the same run.")
+        line = (f"Ceiling: at each case, \u201c{bench['ceiling_per_case']}\u201d measured there in the same run (the "
+                f"device's {bench['ceiling_name']}: {rate})." if "ceiling_per_case" in bench else
+                f"Ceiling: {bench['ceiling_name']}, {rate}, measured in the same run.")
+        profiled = perf_summary.profiler_text(bench)
+        assert bool(profiled) == any(row.get("gpu_method") == "profiler" for row in bench["rows"]
+                                     if row["provider"] in bench["ours"] + bench["peers"] +
+                                     [bench.get("ceiling_per_case")])
+        assert text_of(ceiling).replace("\u2019", "'") == (f"{line} {profiled}" if profiled else line)
         assert 'class="perf-summary' in table, "the case tables share the summary's look on a phone"
         header, rows = perf_summary.case_table(bench)
+        columns = len(perf_summary.case_columns(bench))
         assert [row for row in table_rows(table, "th") if row] == [header]
-        assert header[len(perf_summary.case_columns(bench)):] == [
-            f"{ours}: {quantity}" for ours in bench["ours"] for quantity in ("vs. peer", "of ceiling")]
+        quantities = (["kernel", "vs. peer, GPU time", "vs. peer, back to back", "of ceiling", "limit"]
+                      if result["on_gpu"] else ["kernel", "vs. peer, back to back", "of ceiling"])
+        assert header[columns:] == quantities
         assert [row for row in table_rows(table) if row] == rows
+        assert len(rows) == len(perf_summary.per_case(bench)) * len(bench["ours"])
         for row in rows:
-            kernels = row[len(perf_summary.case_columns(bench)):]
-            for ratio, fraction in zip(kernels[::2], kernels[1::2], strict=True):
-                assert re.fullmatch(r"n/a|\d+\.\d{2,6}x .+", ratio) and re.fullmatch(r"n/a|\d+%", fraction), row
+            cells = dict(zip(quantities, row[columns:], strict=True))
+            assert cells["kernel"] in bench["ours"]
+            for name in ("vs. peer, GPU time", "vs. peer, back to back"):
+                assert re.fullmatch(rf"n/a|{RATIO}", cells.get(name, "n/a")), row
+            assert re.fullmatch(r"n/a|\d+%", cells["of ceiling"]) and cells.get("limit", "n/a") in (
+                "host", "GPU", "n/a"), row
 
 
 @pytest.mark.parametrize("value, text", [(727.7, "728"), (3352.1, "3352"), (99.96, "100"), (42.45, "42.5"),
@@ -351,14 +649,17 @@ def test_perf_summary_ratios():
         {"N": 1, "provider": "b", "value": 40.0}, {"N": 2, "provider": "mine", "value": 90.0},
         {"N": 2, "provider": "a", "value": 100.0}, {"N": 2, "provider": "b", "value": float("nan")}]}
     (summary,) = perf_summary.summarize(bench)
-    assert summary["best_ratio"][:2] == (1.25, (("N", "1"),)) and summary["best_ratio"][2] == "b"
-    assert summary["worst_ratio"][:3] == (0.9, (("N", "2"),), "a")
-    assert summary["best_fraction"][0] == 0.9 and summary["worst_fraction"][0] == 0.5
+    (best, best_case), (worst, worst_case) = summary["ratio"]
+    assert (best.value, best.peer, best_case) == (1.25, "b", (("N", "1"),))
+    assert (worst.value, worst.peer, worst_case) == (0.9, "a", (("N", "2"),))
+    assert summary["fraction"][0][0] == 0.9 and summary["fraction"][1][0] == 0.5
+    assert summary["gpu_ratio"] is None, "no GPU time, no ratio by it"
 
 
 # Two kernels, two peers, a ceiling of 200: a case with everything measured, one where our first kernel's
 # value is NaN, one where no peer was measured (None and NaN), and one where our second kernel and one
-# peer have no row at all, beside a faster provider that is neither ours nor a peer.
+# peer have no row at all, beside a faster provider that is neither ours nor a peer. As the interpreter
+# measures: no GPU time.
 PER_CASE_BENCH = {"name": "b", "unit": "GB/s", "ceiling_name": "copy bandwidth", "ceiling": 200.0,
                   "ours": ["mine", "other"], "peers": ["a", "b"], "rows": [
     {"dtype": "fp16", "N": 1, "provider": "mine", "value": 90.0},
@@ -376,30 +677,92 @@ PER_CASE_BENCH = {"name": "b", "unit": "GB/s", "ceiling_name": "copy bandwidth",
     {"dtype": "fp32", "N": 2, "provider": "mine", "value": 40.0},
     {"dtype": "fp32", "N": 2, "provider": "b", "value": 32.0},
     {"dtype": "fp32", "N": 2, "provider": "ignored", "value": 1000.0}]}
+CPU = {"tutorial": "01-x", "platform": "Triton interpreter on CPU", "on_gpu": False, "date": "2026-11-22"}
 
 
 def test_perf_per_case_ratios_and_fractions():
-    perf_summary.validate_record({"tutorial": "01-x", "platform": "GPU: test", "on_gpu": True,
-                                  "date": "2026-11-22", "benchmarks": [PER_CASE_BENCH]})
+    perf_summary.validate_record({**CPU, "benchmarks": [PER_CASE_BENCH]})
     cases = perf_summary.per_case(PER_CASE_BENCH)
     assert [c["case"] for c in cases] == [{"dtype": "fp16", "N": 1}, {"dtype": "fp16", "N": 2},
                                           {"dtype": "fp32", "N": 1}, {"dtype": "fp32", "N": 2}]
-    got = [{k: (v["ratio"], v["fraction"]) for k, v in c["kernels"].items()} for c in cases]
+    got = [{k: (v["ratio"] and v["ratio"][:2], v["fraction"]) for k, v in c["kernels"].items()} for c in cases]
     assert got == [
         {"mine": ((pytest.approx(0.9), "a"), pytest.approx(0.45)),
          "other": ((pytest.approx(1.2), "a"), pytest.approx(0.6))},
         {"mine": (None, None), "other": ((pytest.approx(0.5), "b"), pytest.approx(0.15))},
         {"mine": (None, pytest.approx(0.1)), "other": (None, pytest.approx(0.05))},
         {"mine": ((pytest.approx(1.25), "b"), pytest.approx(0.2)), "other": (None, None)}]
+    assert all(k["gpu_ratio"] is None and k["limit"] is None for c in cases for k in c["kernels"].values())
 
 
 def test_perf_case_table_text():
     header, rows = perf_summary.case_table(PER_CASE_BENCH)
-    assert header == ["dtype", "N", "mine: vs. peer", "mine: of ceiling", "other: vs. peer", "other: of ceiling"]
-    assert rows == [["fp16", "1", "0.90x a", "45%", "1.20x a", "60%"],
-                    ["fp16", "2", "n/a", "n/a", "0.50x b", "15%"],
-                    ["fp32", "1", "n/a", "10%", "n/a", "5%"],
-                    ["fp32", "2", "1.25x b", "20%", "n/a", "n/a"]]
+    assert header == ["dtype", "N", "kernel", "vs. peer, back to back", "of ceiling"]
+    assert rows == [["fp16", "1", "mine", "0.90x a", "45%"], ["fp16", "1", "other", "1.20x a", "60%"],
+                    ["fp16", "2", "mine", "n/a", "n/a"], ["fp16", "2", "other", "0.50x b", "15%"],
+                    ["fp32", "1", "mine", "n/a", "10%"], ["fp32", "1", "other", "n/a", "5%"],
+                    ["fp32", "2", "mine", "1.25x b", "20%"], ["fp32", "2", "other", "n/a", "n/a"]]
+
+
+def gpu_row(n, provider, value, gpu_value, spread=0.01, gpu_spread=0.01, method="CUDA graph"):
+    return {"N": n, "provider": provider, "value": value, "gpu_value": gpu_value, "spread": spread,
+            "gpu_spread": gpu_spread, "gpu_method": method}
+
+
+# On a GPU: at N=1 the host binds our kernel (back to back 100 against GPU time 150: 50% longer, spreads of
+# 1%) and the peers swap places between the two timings; at N=2 back to back is within the spread of GPU
+# time; at N=3 our timings spread by 30%, so the ratio is a range and no ratio is given to two decimals;
+# at N=4 the peer's GPU time comes from the profiler and back to back is even faster than GPU time.
+GPU_BENCH = {"name": "g", "unit": "TFLOP/s", "ceiling_name": "fp16 matmul rate", "ceiling": 300.0,
+             "ours": ["mine"], "peers": ["a", "b"], "rows": [
+    gpu_row(1, "mine", 100.0, 150.0), gpu_row(1, "a", 50.0, 200.0), gpu_row(1, "b", 80.0, 100.0),
+    gpu_row(2, "mine", 145.0, 150.0, spread=0.05), gpu_row(2, "a", 100.0, 100.0), gpu_row(2, "b", 50.0, 50.0),
+    gpu_row(3, "mine", 120.0, 120.0, spread=0.3, gpu_spread=0.3), gpu_row(3, "a", 100.0, 100.0),
+    gpu_row(3, "b", None, float("nan")),
+    gpu_row(4, "mine", 90.0, 60.0), gpu_row(4, "a", 60.0, 40.0, method="profiler"),
+    gpu_row(4, "b", 30.0, 20.0)]}
+
+
+def test_perf_on_a_gpu_both_ratios_and_the_limit_that_binds():
+    perf_summary.validate_record({**GOOD_RECORD, "benchmarks": [GPU_BENCH]})
+    kernels = [case["kernels"]["mine"] for case in perf_summary.per_case(GPU_BENCH)]
+    assert [(k["gpu_ratio"][:2], k["ratio"][:2]) for k in kernels] == [
+        ((0.75, "a"), (1.25, "b")), ((1.5, "a"), (1.45, "a")), ((1.2, "a"), (1.2, "a")), ((1.5, "a"), (1.5, "a"))]
+    assert [k["limit"] for k in kernels] == ["host", "GPU", "GPU", "GPU"]
+    assert [k["fraction"] for k in kernels] == [0.5, 0.5, 0.4, 0.2]  # by GPU time, as the ceiling is measured
+    # Ours spread by 30%, the peer by 1%: from our slowest against its fastest to our fastest against its slowest.
+    assert kernels[2]["ratio"] == kernels[2]["gpu_ratio"] == (pytest.approx(1.2), "a", pytest.approx(1.2 / 1.3),
+                                                             pytest.approx(1.2 * 1.01))
+    assert all(k["ratio"].low is None for i, k in enumerate(kernels) if i != 2)
+    header, rows = perf_summary.case_table(GPU_BENCH)
+    assert header == ["N", "kernel", "vs. peer, GPU time", "vs. peer, back to back", "of ceiling", "limit"]
+    assert rows == [["1", "mine", "0.75x a", "1.25x b", "50%", "host"],
+                    ["2", "mine", "1.50x a", "1.45x a", "50%", "GPU"],
+                    ["3", "mine", "0.92\u20131.2x a", "0.92\u20131.2x a", "40%", "GPU"],
+                    ["4", "mine", "1.50x a", "1.50x a", "20%", "GPU"]]
+    (summary,) = perf_summary.summarize(GPU_BENCH)
+    assert perf_summary.summary_row(GPU_BENCH, summary) == [
+        "g", "mine", "best 1.50x a (N=4), worst 0.75x a (N=1)", "best 1.50x a (N=4), worst 0.92\u20131.2x a (N=3)",
+        "best 50% (N=2), worst 20% (N=4)", "fp16 matmul rate: 300 TFLOP/s"]
+    assert perf_summary.profiler_text(GPU_BENCH) == (
+        "GPU time by the profiler's kernel times, as the calls could not be captured in a CUDA graph: "
+        "\u201ca\u201d (1 of 4 cases).")
+
+
+def test_a_limit_needs_both_times_and_their_spreads():
+    assert perf_summary.binding_limit(gpu_row(1, "mine", 100.0, 150.0)) == "host"
+    assert perf_summary.binding_limit(gpu_row(1, "mine", 100.0, 150.0, spread=0.6)) == "GPU"
+    assert perf_summary.binding_limit(gpu_row(1, "mine", 100.0, 150.0, gpu_spread=0.6)) == "GPU"
+    assert perf_summary.binding_limit(gpu_row(1, "mine", 100.0, 150.0, spread=None)) is None
+    assert perf_summary.binding_limit(gpu_row(1, "mine", None, 150.0)) is None
+    assert perf_summary.binding_limit({"N": 1, "provider": "mine", "value": 100.0}) is None
+    assert perf_summary.binding_limit(None) is None
+
+
+@pytest.mark.parametrize("low, high, text", [(0.9231, 1.2, "0.92\u20131.2x"), (0.5, 0.61, "0.50\u20130.61x"),
+                                             (8.04, 12.6, "8.0\u201313x"), (0.012, 0.0151, "0.012\u20130.015x")])
+def test_a_ratio_whose_timings_spread_shows_as_a_range(low, high, text):
+    assert perf_summary.format_ratio_range(low, high) == text
 
 
 def test_perf_ceiling_text():
@@ -412,7 +775,8 @@ def ceiling_record(tutorial, *ceilings):
     """A valid record with one benchmark per (ceiling_name, ceiling, unit)."""
     record = {"tutorial": tutorial, "platform": "GPU: test", "on_gpu": True, "date": "2026-11-22", "benchmarks": [
         {"name": f"b{i}", "unit": unit, "ceiling_name": name, "ceiling": ceiling, "ours": ["mine"], "peers": [],
-         "rows": [{"N": 1, "provider": "mine", "value": 1.0}]} for i, (name, ceiling, unit) in enumerate(ceilings)]}
+         "rows": [{"N": 1, "provider": "mine", "value": 1.0, "gpu_value": 1.0}]}
+        for i, (name, ceiling, unit) in enumerate(ceilings)]}
     perf_summary.validate_record(record)
     return record
 
@@ -467,7 +831,8 @@ def test_notebook_is_valid_and_runs_on_cpu(site, lesson, tmp_path):
     (archive,) = site.glob("_downloads/*/tutorials_jupyter.zip")
     with zipfile.ZipFile(archive) as bundle:
         bundle.extractall(tmp_path)
-    assert not list(tmp_path.rglob("*.py")), "the notebooks' zip is meant to hold notebooks only"
+    # Its first cell fetches what is missing: nothing is, so it runs with no network.
+    assert [p.name for p in tmp_path.rglob("*.py")] == ["stepkit.py"], "lessons as notebooks only, beside stepkit"
     path = tmp_path / f"{lesson}.ipynb"
     notebook = nbformat.read(path, as_version=4)
     nbformat.validate(notebook)
@@ -476,6 +841,54 @@ def test_notebook_is_valid_and_runs_on_cpu(site, lesson, tmp_path):
                    resources={"metadata": {"path": str(tmp_path)}}).execute()
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
+
+
+def zip_of_all(site, kind):
+    (archive,) = site.glob(f"_downloads/*/tutorials_{kind}.zip")
+    return archive
+
+
+@pytest.mark.parametrize("kind, suffix", [("python", ".py"), ("jupyter", ".ipynb")])
+def test_a_zip_of_all_lessons_holds_what_they_need_and_runs_as_it_is(site, tmp_path, kind, suffix):
+    """Each zip holds every lesson (scripts or notebooks) and the shared files as they are, and in a folder of
+    its own, with no build around it, every lesson imports: the ones that load earlier lessons find them
+    beside them, as scripts or as notebooks."""
+    with zipfile.ZipFile(zip_of_all(site, kind)) as bundle:
+        assert sorted(bundle.namelist()) == sorted([f"{lesson}{suffix}" for lesson in LESSONS] +
+                                                   list(lesson_files.SHARED))
+        for name in lesson_files.SHARED:
+            assert bundle.read(name) == (TUTORIALS / name).read_bytes(), f"{name} differs from tutorials/"
+        bundle.extractall(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TUTORIAL_", "DOCS_"))}
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, stepkit as kit\n"
+                               "for stem in sys.argv[1:]:\n    kit.load_lesson(stem)\nprint('loaded')", *LESSONS],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert loaded.returncode == 0 and loaded.stdout.strip().endswith("loaded"), loaded.stderr[-3000:]
+
+
+def test_each_notebook_fetches_its_own_needs_at_this_build_s_version(site, monkeypatch):
+    """A single notebook, downloaded alone, fetches stepkit.py, the tables and the lessons it loads, from the
+    repository the site links to, at the version this build was made from; the same in the zip."""
+    ref = run_conf(monkeypatch)["download_ref"]
+    assert ref, "the build knows its version"
+    repository = github_repository(site)
+    with zipfile.ZipFile(zip_of_all(site, "jupyter")) as bundle:
+        for lesson in LESSONS:
+            cell = lesson_files.download_cell(repository, ref, lesson_files.needs(TUTORIALS, lesson))
+            (alone,) = site.glob(f"_downloads/*/{lesson}.ipynb")
+            for notebook in (json.loads(alone.read_text()), json.loads(bundle.read(f"{lesson}.ipynb"))):
+                assert "".join(notebook["cells"][0]["source"]) == cell, lesson
+            assert f'ref = "{ref}"' in cell and f'repository = "{repository}"' in cell
+
+
+def test_getting_started_gives_the_download_step_for_a_script(site, monkeypatch):
+    ref = run_conf(monkeypatch)["download_ref"]
+    text = html.unescape(re.sub(r"<[^>]+>", "", (site / "getting-started.html").read_text()))
+    assert f'repository = "{github_repository(site)}"' in text and f'ref = "{ref}"' in text
+    loaded = {name for lesson in LESSONS for name in lesson_files.siblings(TUTORIALS, lesson)}
+    listed = re.search(r"for name in \[(.*?)\]:", text).group(1)
+    assert listed == ", ".join(f'"{name}"' for name in [*lesson_files.SHARED, *(f"{n}.py" for n in sorted(loaded))])
 
 
 def test_a_failing_tutorial_fails_the_build_by_name(site, tmp_path):

@@ -3,14 +3,12 @@ one timing method's rules (passes, retiming, ranges), with scripted timings wher
 is what is tested."""
 
 import json
-import math
 import sys
 
 import pytest
+import stepkit as kit
 import torch
 from conftest import TUTORIALS
-
-import stepkit as kit
 
 
 def scripted(script):
@@ -87,12 +85,24 @@ def test_a_timing_that_is_not_a_positive_number_is_refused(bad):
         m.add({"b2b": 1.0, "gpu": bad, "gpu_method": "CUDA graph"})
 
 
-def test_on_the_cpu_a_timing_is_wall_clock_and_has_no_gpu_time():
-    assert not kit.ON_GPU
-    x = torch.randn(64)
+def test_a_real_timing_has_gpu_time_exactly_where_there_is_a_gpu():
+    x = torch.randn(1 << 16, device=kit.DEVICE)
     measured = kit.time_calls({"copy": kit.call_timer(torch.empty_like(x).copy_, x)})
     row = measured["copy"].row(1.0)
-    assert row["value"] > 0 and "gpu_value" not in row
+    assert row["value"] > 0
+    if kit.ON_GPU:
+        assert row["gpu_value"] > 0 and row["gpu_method"] == "CUDA graph"
+    else:
+        assert "gpu_value" not in row
+
+
+@pytest.mark.skipif(not kit.ON_GPU, reason="CUDA graphs need a GPU")
+def test_a_backward_is_captured_in_a_graph_not_timed_by_the_profiler():
+    q, k, v = (torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+               for _ in range(3))
+    (name, fn), = kit.sdpa_providers(False, 0.125, ["SDPA flash"]).items()
+    measured = kit.time_calls({"bwd": kit.backward_timer(fn, q, k, v)})
+    assert measured["bwd"].gpu_method == "CUDA graph" and q.grad is None
 
 
 def test_the_backward_timer_leaves_grad_untouched():
@@ -157,7 +167,7 @@ def test_save_results_writes_the_record_only_when_the_build_asks(tmp_path, monke
     monkeypatch.setenv("TUTORIAL_RESULTS_DIR", str(tmp_path))
     kit.save_results("99-something", [{"name": "b"}])
     record = json.loads((tmp_path / "99-something.json").read_text())
-    assert record["tutorial"] == "99-something" and record["on_gpu"] is False
+    assert record["tutorial"] == "99-something" and record["on_gpu"] is kit.ON_GPU
     assert record["platform"] == kit.describe_platform() and record["benchmarks"] == [{"name": "b"}]
 
 

@@ -16,8 +16,10 @@ or ``main``:
 * ``.nojekyll`` keeps GitHub Pages from hiding folders that start with an underscore.
 
 Checks come first, before anything is written: the version; the build (a finished Sphinx build
-labelled with that version, holding only regular files and folders, since a symbolic link would
-publish whatever it points to); the target (the root of a git working tree on branch gh-pages).
+labelled with that version, whose pages read ``switcher.json`` where this publish writes it, so built
+with ``DOCS_SWITCHER_URL=<base-url>switcher.json``, and holding only regular files and folders, since a
+symbolic link would publish whatever it points to); the target (the root of a git working tree on
+branch gh-pages).
 
 Publishes into one tree run one after another: each holds an exclusive lock (flock on
 ``gh-pages-publish.lock`` in the tree's git directory, released by the kernel if the process dies)
@@ -90,6 +92,14 @@ def built_version(build):
     return match.group(1) if match else None
 
 
+def built_switcher(build):
+    """Where the pages look for switcher.json (pydata-sphinx-theme writes it into every page), or None for a
+    build without a version switcher: a local one, made without DOCS_SWITCHER_URL."""
+    text = (build / "index.html").read_text(errors="replace")
+    match = re.search(r"DOCUMENTATION_OPTIONS\.theme_switcher_json_url\s*=\s*'([^']*)'", text)
+    return match.group(1) if match else None
+
+
 def refuse_odd_entries(build):
     """Copying follows no link and reads no pipe or device: anything but files and folders is refused,
     and so is nesting deep enough to exhaust the recursion of shutil.copytree."""
@@ -108,7 +118,7 @@ def refuse_odd_entries(build):
                     raise PublishError(f"{entry.path} is not a regular file or folder")
 
 
-def check_build(build, label):
+def check_build(build, label, base_url="/"):
     if not build.is_dir():
         raise PublishError(f"{build} is not a directory")
     refuse_odd_entries(build)
@@ -118,6 +128,13 @@ def check_build(build, label):
     if found != label:
         raise PublishError(f"{build} was built as version {found!r}, not {label!r}: "
                            f"rebuild with DOCS_VERSION={label}")
+    # The pages must read the list of versions where this publish writes it: a build without a switcher (a
+    # local build) or pointed elsewhere would show no version menu, or an empty one, once published.
+    switcher, wanted = built_switcher(build), f"{base_url}{SWITCHER}"
+    if switcher != wanted:
+        found = "has no version switcher" if switcher is None else f"reads its list of versions at {switcher!r}"
+        raise PublishError(f"{build} {found}, but this publish writes the list at {wanted!r}: "
+                           f"rebuild with DOCS_SWITCHER_URL={wanted}")
 
 
 def git(tree, *args):
@@ -225,7 +242,7 @@ def publish(build, tree, version, base_url="/", force=False):
         base_url += "/"
     check_base_url(base_url)
     folder = folder_for(version)
-    check_build(build, "dev" if folder == "dev" else version)
+    check_build(build, "dev" if folder == "dev" else version, base_url)
     gitdir = check_target(tree)
     work = gitdir / WORK
     with open(gitdir / LOCK, "a") as lock:

@@ -2,57 +2,60 @@
 Fused softmax
 =============
 
-A row-wise softmax written as one Triton kernel that reads its input once and writes its output once,
-its backward written the same way, and both measured against PyTorch to see how close they get to
-the speed of copying memory.
+A row-wise softmax written as one Triton kernel that reads its input once and writes its
+output once, its backward written the same way, and both measured against PyTorch to see
+how close they get to the speed of copying memory.
 
 You will learn:
 
-* why a *fused* kernel beats a sequence of PyTorch operations, with the memory-traffic arithmetic;
-* how a Triton program holds a row on chip, with masking for row lengths that are not powers of two;
-* how to make softmax numerically stable, and why the math runs in fp32 whatever the input dtype;
-* how to go from one program per row to a *persistent* grid of row tiles sized from the GPU's
-  occupancy, and how to measure what that step buys;
-* how to derive softmax's backward from its Jacobian, write it as a kernel, and wire it into autograd;
+* why a *fused* kernel beats a sequence of PyTorch operations, with the memory-traffic
+  arithmetic;
+* how a Triton program holds a row on chip, with masking for row lengths that are not
+  powers of two;
+* how to make softmax numerically stable, and why the math runs in fp32 whatever the
+  input dtype;
+* how to go from one program per row to a *persistent* grid of row tiles sized from the
+  GPU's occupancy, and how to measure what that step buys;
+* how to derive softmax's backward from its Jacobian, write it as a kernel, and wire it
+  into autograd;
 * where a row stops fitting in one program, and why;
-* how to benchmark a memory-bound kernel honestly: in GB/s, beside copies measured in the same run.
+* how to benchmark a memory-bound kernel honestly: in GB/s, beside copies measured in
+  the same run.
 """
 
 # %%
 # Where the kernels run
 # ---------------------
-# With a CUDA GPU, Triton compiles the kernels for it. Without one, the same kernels run through the
-# Triton interpreter on the CPU, at small sizes. The interpreter is switched on by an environment
-# variable that Triton reads when ``@triton.jit`` runs, so it must be set *before* the first kernel
-# is defined: setting it later has no effect, a pitfall worth remembering.
-
-import os
+# With a CUDA GPU, Triton compiles the kernels for it. Without one, the same kernels run
+# through the Triton interpreter on the CPU, at small sizes. The interpreter is switched
+# on by an environment variable, ``TRITON_INTERPRET=1``, that Triton reads when
+# ``@triton.jit`` runs, so it must be set *before* the first kernel is defined: setting
+# it later has no effect, a pitfall worth remembering. ``stepkit``, the module beside
+# the lessons, makes that choice when it is imported, so it comes before Triton.
 
 import torch
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
+import stepkit as kit  # picks the device; no GPU: the Triton interpreter
 
-import triton  # noqa: E402  (imported after the interpreter switch on purpose)
-import triton.language as tl  # noqa: E402
+DEVICE = kit.DEVICE
 
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+import triton
+import triton.language as tl
 
 # %%
 # Motivation: count the bytes
 # ---------------------------
-# Softmax turns each row :math:`x` of a matrix into :math:`y_i = e^{x_i - m} / \sum_j e^{x_j - m}`,
-# where subtracting the row maximum :math:`m = \max_j x_j` changes nothing mathematically but
-# keeps :math:`e^{x}` from overflowing (fp32 overflows past :math:`e^{88.7}`, fp16 past
-# :math:`e^{11.1}`).
+# Softmax turns each row :math:`x` of a matrix into
+# :math:`y_i = e^{x_i - m} / \sum_j e^{x_j - m}`, where subtracting the row maximum
+# :math:`m = \max_j x_j` changes nothing mathematically but keeps :math:`e^{x}` from
+# overflowing (fp32 overflows past :math:`e^{88.7}`, fp16 past :math:`e^{11.1}`).
 #
-# Written with PyTorch operations, each step is a separate kernel that reads its input from
-# device memory and writes its result back:
+# Written with PyTorch operations, each step is a separate kernel that reads its input
+# from device memory and writes its result back:
 
 
 def naive_softmax(x):
-    """Row-wise softmax in five PyTorch operations: the baseline that fusion improves on."""
+    """Row-wise softmax in five PyTorch operations: the baseline fusion improves on."""
     x_max = x.max(dim=1)[0]  # read MN, write M
     z = x - x_max[:, None]  # read MN + M, write MN
     numerator = torch.exp(z)  # read MN, write MN
@@ -61,30 +64,37 @@ def naive_softmax(x):
 
 
 # %%
-# For an :math:`M \times N` input that is :math:`5MN + 2M` elements read and :math:`3MN + 2M`
-# written. A fused kernel loads each row once, does every step on chip, and writes the result once:
-# :math:`MN` read and :math:`MN` written. Softmax does a handful of arithmetic operations per
-# element, far less than a GPU can do in the time it takes to move that element, so its run time is
-# set by memory traffic, and the fused kernel should approach
-# :math:`(8MN + 4M) / 2MN \approx 4\times` the naive version's speed. ``torch.softmax`` is already a
-# single fused kernel, so against it the question is only how close each comes to the hardware.
+# For an :math:`M \times N` input that is :math:`5MN + 2M` elements read and
+# :math:`3MN + 2M` written. A fused kernel loads each row once, does every step on chip,
+# and writes the result once: :math:`MN` read and :math:`MN` written. Softmax does a
+# handful of arithmetic operations per element, far less than a GPU can do in the time
+# it takes to move that element, so its run time is set by memory traffic, and the fused
+# kernel should approach :math:`(8MN + 4M) / 2MN \approx 4\times` the naive version's
+# speed. ``torch.softmax`` is already a single fused kernel, so against it the question
+# is only how close each comes to the hardware.
 #
 # Step 1: one program per row
 # ---------------------------
-# The simplest fused kernel gives each row to its own program: the grid is :math:`(M,)`, and
-# program ``i`` loads row ``i`` into registers, reduces it twice (maximum, then sum) and stores it.
-# The row is loaded as a block of ``BLOCK_N`` columns, the row length rounded up to a power of two
-# (Triton's block shapes must be powers of two); the columns past :math:`N` are masked: loads there
-# return :math:`-\infty`, which adds :math:`e^{-\infty} = 0` to the sum, and stores there are
-# skipped.
+# The simplest fused kernel gives each row to its own program: the grid is :math:`(M,)`,
+# and program ``i`` loads row ``i`` into registers, reduces it twice (maximum, then sum)
+# and stores it. The row is loaded as a block of ``BLOCK_N`` columns, the row length
+# rounded up to a power of two (Triton's block shapes must be powers of two); the
+# columns past :math:`N` are masked: loads there return :math:`-\infty`, which adds
+# :math:`e^{-\infty} = 0` to the sum, and stores there are skipped.
 
 
 @triton.jit
-def softmax_row_kernel(x_ptr, y_ptr, N, x_row_stride, x_col_stride, y_row_stride, BLOCK_N: tl.constexpr):
+def softmax_row_kernel(
+    x_ptr, y_ptr, N, x_row_stride, x_col_stride, y_row_stride, BLOCK_N: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride can pass 2**31
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
-    x = tl.load(x_ptr + row * x_row_stride + cols * x_col_stride, mask=mask, other=-float("inf"))
+    x = tl.load(
+        x_ptr + row * x_row_stride + cols * x_col_stride,
+        mask=mask,
+        other=-float("inf"),
+    )
     x = x.to(tl.float32)
     numerator = tl.exp(x - tl.max(x, axis=0))
     y = numerator / tl.sum(numerator, axis=0)
@@ -93,87 +103,84 @@ def softmax_row_kernel(x_ptr, y_ptr, N, x_row_stride, x_col_stride, y_row_stride
 
 # %%
 # Two details deserve a word. The math is fp32 even for fp16 and bf16 inputs: the sum of
-# thousands of small terms in 16-bit precision would lose most of its digits, and the conversion
-# costs nothing next to the memory traffic. And the column stride is a parameter: a kernel that
-# assumed contiguous rows would silently compute garbage on a transposed view, while Triton
-# specializes a stride equal to 1 at compile time, so the common case still gets wide, vectorized
-# loads.
+# thousands of small terms in 16-bit precision would lose most of its digits, and the
+# conversion costs nothing next to the memory traffic. And the column stride is a
+# parameter: a kernel that assumed contiguous rows would silently compute garbage on a
+# transposed view, while Triton specializes a stride equal to 1 at compile time, so the
+# common case still gets wide, vectorized loads.
 #
 # The launch helpers
 # ------------------
-# A kernel that receives a bad pointer does not raise: it computes nonsense or crashes the process.
-# So every launcher first checks its input, and resolves one kind of tensor that looks fine but is
-# not: a *negative view* (``torch._neg_view(x)``, or ``x.conj().imag`` of a complex tensor) shares
-# its memory with the un-negated values and only carries a flag saying "negate on read". A kernel
-# reads raw memory and would never see the flag, so the launcher materializes such a view first.
-# Offsets are a second trap: an element's address is ``row * row_stride + column * column_stride``,
-# and an int32 product wraps past :math:`2^{31}`. The kernels compute the row part in int64 (a tall
-# tensor passes that easily) and the per-element column part in int32, the cheaper type; the rare
-# view whose column stride would wrap it is copied to a contiguous layout first.
+# A kernel that receives a bad pointer does not raise: it computes nonsense or crashes
+# the process. So every launcher first checks its input, and resolves one kind of tensor
+# that looks fine but is not: a *negative view* (``torch._neg_view(x)``, or
+# ``x.conj().imag`` of a complex tensor) shares its memory with the un-negated values
+# and only carries a flag saying "negate on read". A kernel reads raw memory and would
+# never see the flag, so the launcher materializes such a view first. Offsets are a
+# second trap: an element's address is ``row * row_stride + column * column_stride``,
+# and an int32 product wraps past :math:`2^{31}`. The kernels compute the row part in
+# int64 (a tall tensor passes that easily) and the per-element column part in int32, the
+# cheaper type; the rare view whose column stride would wrap it is copied to a
+# contiguous layout first (``kit.int32_columns``).
 #
-# A row must fit in one program's registers. A program runs on one streaming multiprocessor (SM),
-# with at most 1,024 threads that share the SM's 65,536 32-bit registers: at most 64 registers per
-# thread when all 1,024 run. A row of 32,768 fp32 values takes 32 of them per thread and leaves room
-# for addresses and temporaries; a row of 65,536 would need all 64 for the values alone, and the
-# compiler would *spill* the rest to local memory, which is device memory behind the caches.
-# Compiled without a GPU for an H100 (sm_90) with the ``ptxas`` of Triton 3.6 and of Triton 3.9,
-# in fp32 and bf16, with 32 warps, the kernel above used 53 to 57 registers per thread for a row of
-# 32,768 and spilled nothing; for 65,536 it used all 64 and spilled 252 to 432 bytes per thread.
-# The launchers therefore refuse rows longer than ``FUSED_LIMIT`` with an error that points to the
-# next lesson, which handles rows of any length and measures a one-program kernel up to the limit.
+# A row must fit in one program's registers. A program runs on one streaming
+# multiprocessor (SM), with at most 1,024 threads that share the SM's 65,536 32-bit
+# registers: at most 64 registers per thread when all 1,024 run. A row of 32,768 fp32
+# values takes 32 of them per thread and leaves room for addresses and temporaries; a
+# row of 65,536 would need all 64 for the values alone, and the compiler would *spill*
+# the rest to local memory, which is device memory behind the caches. (Lesson 03
+# compiles such a kernel on the GPU at hand and prints the registers and spills it
+# gets.) The launchers therefore refuse rows longer than ``FUSED_LIMIT`` with an error
+# that points to the next lesson, which handles rows of any length and measures a
+# one-program kernel up to the limit.
 #
-# The two helpers below launch the forward pass only. The public, differentiable launchers,
-# ``softmax_one_row_per_program`` and ``softmax``, come with the backward pass further down.
+# The two helpers below launch the forward pass only. The public, differentiable
+# launchers, ``softmax_one_row_per_program`` and ``softmax``, come with the backward
+# pass further down.
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-FUSED_LIMIT = 32768  # longest row (elements) these kernels hold in one program's registers
+FUSED_LIMIT = 32768  # the longest row (elements) one program's registers hold
 
 
 def check_input(x):
     """Raise a clear error for anything the kernels cannot handle."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"softmax expects a torch.Tensor, got {type(x).__name__}")
+    shape = tuple(x.shape)
     if x.dim() != 2:
-        raise ValueError(f"softmax expects a 2-D tensor (rows, columns), got shape {tuple(x.shape)}")
+        raise ValueError(f"softmax expects a 2-D tensor (rows, columns), got {shape}")
     if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"softmax supports float32, float16 and bfloat16, got {x.dtype}")
+        raise TypeError(f"softmax takes float32, float16 and bfloat16, got {x.dtype}")
     if x.numel() == 0:
-        raise ValueError(f"softmax needs at least one row and one column, got shape {tuple(x.shape)}")
-    if x.device.type != DEVICE.type:
-        raise ValueError(f"x is on device '{x.device}', but Triton runs these kernels on '{DEVICE.type}' here")
+        raise ValueError(f"softmax needs at least one row and one column, got {shape}")
+    kit.check_device("x", x)
 
 
 def _prepare(x):
-    """The checked input, ready for a kernel: rows that fit, no negative-view flag left to ignore."""
+    """The checked input, ready for a kernel: rows that fit, no negative-view flag."""
     check_input(x)
     if x.shape[1] > FUSED_LIMIT:
-        raise ValueError(f"the fused softmax holds a row in one program's registers: at most {FUSED_LIMIT} "
-                         f"columns, got {x.shape[1]}. For longer rows use the next lesson, 03-long-softmax.py "
-                         "(Softmax over rows too long for one tile).")
-    # Conjugate views exist only for complex tensors, which check_input refuses; negative views remain.
-    return int32_columns(x.resolve_neg())
-
-
-def int32_columns(t):
-    """t, or a contiguous copy of it where a column's offset (index times column stride) would pass 2**31.
-
-    The kernels compute row offsets in int64 but column offsets in int32, the cheaper type for the
-    per-element arithmetic; only a view with a huge column stride needs the copy."""
-    return t.contiguous() if (t.shape[1] - 1) * t.stride(1) >= 2**31 else t
+        raise ValueError(
+            "the fused softmax holds a row in one program's registers: at most "
+            f"{FUSED_LIMIT} columns, got {x.shape[1]}. For longer rows use the next "
+            "lesson, 03-long-softmax.py (Softmax over rows too long for one tile)."
+        )
+    # Conjugate views exist only for complex tensors, which check_input refuses.
+    return kit.int32_columns(x.resolve_neg())
 
 
 def _num_warps(elements):
-    """About 16 elements per thread, at least 4 warps, at most 32 (1,024 threads, a program's maximum)."""
+    """About 16 elements per thread, 4 warps at least, 32 at most (1,024 threads)."""
     return max(4, min(32, elements // (16 * 32)))
 
 
 def _one_row_per_program(x):
-    """Forward only: launch softmax_row_kernel on a prepared input (the public launchers come later)."""
+    """Forward only: softmax_row_kernel on a prepared input."""
     M, N = x.shape
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     BLOCK_N = triton.next_power_of_2(N)
-    softmax_row_kernel[(M,)](x, y, N, x.stride(0), x.stride(1), y.stride(0), BLOCK_N=BLOCK_N,
-                             num_warps=_num_warps(BLOCK_N))
+    args = (x, y, N, x.stride(0), x.stride(1), y.stride(0))
+    softmax_row_kernel[(M,)](*args, BLOCK_N=BLOCK_N, num_warps=_num_warps(BLOCK_N))
     return y
 
 
@@ -181,10 +188,10 @@ def _one_row_per_program(x):
 # Is it correct?
 # --------------
 # Always check a kernel against a trusted reference before timing it. The shape below is
-# deliberately irregular: 1823 rows of 781 columns (not a power of two, so the mask is exercised).
-# The reference is ``torch.softmax`` in float64, and ``torch.testing.assert_close`` compares
-# element by element, each against a relative and an absolute tolerance, and counts a ``NaN`` as a
-# mismatch.
+# deliberately irregular: 1823 rows of 781 columns (not a power of two, so the mask is
+# exercised). The reference is ``torch.softmax`` in float64, and
+# ``torch.testing.assert_close`` compares element by element, each against a relative
+# and an absolute tolerance, and counts a ``NaN`` as a mismatch.
 
 if __name__ == "__main__":
     torch.manual_seed(0)
@@ -192,80 +199,99 @@ if __name__ == "__main__":
     reference = torch.softmax(x.double(), dim=1)
     y = _one_row_per_program(_prepare(x))
     torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-7)
-    print(f"one row per program, 1823x781 fp32: max abs error {(y.double() - reference).abs().max().item():.2e}")
+    error = (y.double() - reference).abs().max().item()
+    print(f"one row per program, 1823x781 fp32: max abs error {error:.2e}")
 
 # %%
 # Step 2: persistent programs over row tiles
 # ------------------------------------------
-# One program per row has two costs for short rows. A row of 256 fp32 values is 1 KiB, too little
-# work for a program to hide the latency of its own load, and with thousands of rows the GPU starts
-# and retires thousands of tiny programs. The second kernel changes two things:
+# One program per row has two costs for short rows. A row of 256 fp32 values is 1 KiB,
+# too little work for a program to hide the latency of its own load, and with thousands
+# of rows the GPU starts and retires thousands of tiny programs. The second kernel
+# changes two things:
 #
-# * each program owns a *tile* of ``BLOCK_M`` rows by ``BLOCK_N`` columns, so a short row travels
-#   with its neighbours;
-# * the program is *persistent*: the grid holds only as many programs as fit on the GPU at once,
-#   and each loops over row tiles with a stride of the grid size. ``tl.range(..., num_stages=...)``
-#   lets the compiler issue the load of the next tile while the current one is still being computed
-#   on (software pipelining).
+# * each program owns a *tile* of ``BLOCK_M`` rows by ``BLOCK_N`` columns, so a short
+#   row travels with its neighbours;
+# * the program is *persistent*: the grid holds only as many programs as fit on the GPU
+#   at once, and each loops over row tiles with a stride of the grid size.
+#   ``tl.range(..., num_stages=...)`` lets the compiler issue the load of the next tile
+#   while the current one is still being computed on (software pipelining).
 #
-# Whether this pays off is a question for the benchmark below, which runs both kernels side by side.
-# The loop has a cost in registers: compiled offline as above, the persistent kernel spills 112 to
-# 124 bytes per thread at 32,768 columns (none at 16,384), where the one-row kernel spills nothing.
-# And a long row needs no neighbours to be worth a program. So the launcher keeps the grid
-# persistent only where a row's power-of-two width is below ``LONG_ROW`` elements, and hands longer
-# rows to step 1's kernel, one program per row, which holds its row without the loop (GPU
-# measurements, quoted at ``LONG_ROW``, set the limit). On a GPU the benchmark goes up to 32,768
-# columns.
+# Whether this pays off is a question for the benchmark below, which runs both kernels
+# side by side. The loop has a cost in registers: its counters and addresses stay live
+# beside the tile, which matters at the longest rows, where the row alone takes half of
+# them. And a long row needs no neighbours to be worth a program. So the launcher keeps
+# the grid persistent only where a row's power-of-two width is below ``LONG_ROW``
+# elements, and hands longer rows to step 1's kernel, one program per row, which holds
+# its row without the loop (``tools/tune.py softmax`` measured the limit on a GPU; the
+# :doc:`engineering notes <../engineering-notes>` give its numbers). On a GPU the
+# benchmark goes up to 32,768 columns.
 
 
 @triton.jit
 def softmax_kernel(
-    x_ptr, y_ptr, M, N, x_row_stride, x_col_stride, y_row_stride,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+    x_ptr,
+    y_ptr,
+    M,
+    N,
+    x_row_stride,
+    x_col_stride,
+    y_row_stride,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    for first_row in tl.range(pid * BLOCK_M, M, num_programs * BLOCK_M, num_stages=NUM_STAGES):
+    for first_row in tl.range(
+        pid * BLOCK_M, M, num_programs * BLOCK_M, num_stages=NUM_STAGES
+    ):
         rows = first_row + tl.arange(0, BLOCK_M)
-        # Rows past the end re-read the last row instead of loading all -inf (whose max is -inf,
-        # and -inf - -inf is NaN); their results are never stored. int64: M * stride can pass 2**31.
+        # Rows past the end re-read the last row instead of loading all -inf (whose
+        # max is -inf, and -inf - -inf is NaN); their results are never stored.
+        # int64: M * stride can pass 2**31.
         load_rows = tl.minimum(rows, M - 1).to(tl.int64)
-        x = tl.load(x_ptr + load_rows[:, None] * x_row_stride + cols[None, :] * x_col_stride,
-                    mask=col_ok[None, :], other=-float("inf")).to(tl.float32)
+        x = tl.load(
+            x_ptr + load_rows[:, None] * x_row_stride + cols[None, :] * x_col_stride,
+            mask=col_ok[None, :],
+            other=-float("inf"),
+        ).to(tl.float32)
         row_max = tl.max(x, axis=1)
         numerator = tl.exp(x - row_max[:, None])
         denominator = tl.sum(numerator, axis=1)
         y = numerator / denominator[:, None]
-        tl.store(y_ptr + load_rows[:, None] * y_row_stride + cols[None, :],
-                 y.to(y_ptr.dtype.element_ty), mask=(rows < M)[:, None] & col_ok[None, :])
+        tl.store(
+            y_ptr + load_rows[:, None] * y_row_stride + cols[None, :],
+            y.to(y_ptr.dtype.element_ty),
+            mask=(rows < M)[:, None] & col_ok[None, :],
+        )
 
 
 # %%
 # The launcher picks the tile and the grid:
 #
-# * ``BLOCK_M``: enough rows that each tile holds at least 2,048 elements, so that short rows
-#   still give each program a worthwhile amount of memory traffic, yet tiles stay small enough
-#   that many programs share each SM and overlap one another's loads.
-# * ``num_warps``: about 16 elements per thread (at least 4 warps), so that the tile fits in
-#   registers, the same rule as for one row per program.
-# * ``NUM_STAGES = 1``: no software pipelining across tiles. Pipelining keeps the next tile in
-#   shared memory while the current one is computed on; with this many small programs per SM, the
-#   programs already overlap each other's loads. In an H100 probe (Triton 3.6, 2026-11-23, rows of
-#   256 to 2,048, fastest of 4 timings), a second stage was never more than 1 point of a copy faster
-#   and up to 9 points slower.
-# * the grid: *occupancy* is how many programs an SM can host at once, limited by its registers,
-#   its shared memory and its thread slots. We compile the kernel first, read how many registers
-#   and how much shared memory it uses, compute the occupancy, and launch exactly as many programs
-#   as fit at once on all SMs. Each then loops over its share of the tiles.
+# * ``BLOCK_M``: enough rows that each tile holds at least 2,048 elements, so that short
+#   rows still give each program a worthwhile amount of memory traffic, yet tiles stay
+#   small enough that many programs share each SM and overlap one another's loads.
+#   Tiles are sized in elements, not bytes: the math, and the fp32 registers that hold
+#   it, grow with elements whatever the dtype, so a byte budget would give 16-bit tiles
+#   twice the work per program of fp32 ones.
+# * ``num_warps``: about 16 elements per thread (at least 4 warps), so that the tile
+#   fits in registers, the same rule as for one row per program.
+# * ``NUM_STAGES = 1``: no software pipelining across tiles. Pipelining keeps the next
+#   tile in shared memory while the current one is computed on; with this many small
+#   programs per SM, the programs already overlap each other's loads.
+# * the grid: *occupancy* is how many programs an SM can host at once, limited by its
+#   registers, its shared memory and its thread slots. We compile the kernel first, read
+#   how many registers and how much shared memory it uses, compute the occupancy, and
+#   launch exactly as many programs as fit at once on all SMs. Each then loops over its
+#   share of the tiles.
 #
-# These choices were not guessed: ``tools/tune.py softmax`` in this site's repository sweeps tile
-# heights, warps, stages and grid styles on a GPU, and the rules above follow its winners. Earlier
-# versions of this lesson sized tiles in bytes (16 KiB, then 8 KiB), which gives bf16 tiles twice
-# the elements of fp32 ones. The same probe ran bf16 rows of 512 to 2,048 at 85% to 90% of a copy
-# with 16 KiB tiles, against 95% to 101% with 2,048-element tiles; 8 KiB tiles came within 2 points.
-# (This page's own run of the 2,048-element tiles is in its benchmark below.)
+# These choices were not guessed: ``tools/tune.py softmax`` in this site's repository
+# sweeps tile heights, warps, stages and grid styles on a GPU, and the rules above
+# follow its winners. This page's own run of them is in its benchmark below.
 
 
 def _tile_shape(N):
@@ -279,8 +305,8 @@ _occupancy = {}
 
 def _persistent_grid(args, meta, num_warps, row_tiles):
     """How many programs fit on the GPU at once (at most one per tile)."""
-    if not ON_GPU:
-        return row_tiles  # the interpreter runs programs one after another; no SMs to fill
+    if not kit.ON_GPU:
+        return row_tiles  # the interpreter runs programs one after another
     key = (args[0].device, args[0].dtype, meta["BLOCK_M"], meta["BLOCK_N"], num_warps)
     if key not in _occupancy:
         kernel = softmax_kernel.warmup(*args, **meta, num_warps=num_warps, grid=(1,))
@@ -289,26 +315,20 @@ def _persistent_grid(args, meta, num_warps, row_tiles):
         threads = num_warps * 32
         by_registers = props.regs_per_multiprocessor // max(1, kernel.n_regs * threads)
         by_threads = props.max_threads_per_multi_processor // threads
-        by_smem = (props.shared_memory_per_multiprocessor // kernel.metadata.shared
-                   if kernel.metadata.shared else by_threads)
-        _occupancy[key] = props.multi_processor_count * max(1, min(by_registers, by_threads, by_smem))
+        shared, smem = kernel.metadata.shared, props.shared_memory_per_multiprocessor
+        by_smem = smem // shared if shared else by_threads
+        per_sm = max(1, min(by_registers, by_threads, by_smem))
+        _occupancy[key] = props.multi_processor_count * per_sm
     return min(row_tiles, _occupancy[key])
 
 
-# From this many columns on, a tile holds one row, which is work enough for one program, and the
-# loop only costs registers. On an H100 (Triton 3.6), in three cold builds of this site and a probe
-# after them, step 1's kernel ran at 4,096 columns at 97% to 101% of a same-size copy, the
-# persistent tiles at 93% to 99%, in fp32 and bf16 alike. At 2,048 columns, in ten H100 builds and
-# one H200 build of 2026-11-25 and 26, bf16 rows ran at 92% to 102% of the copy (97% on average)
-# with step 1's kernel and at 89% to 102% (94%) with one-row persistent tiles, slower in 10 of the
-# 11; fp32 rows, with step 1's kernel, came within 3.5 points of the tiles either way, 0.3 points
-# behind on average.
+# From this many columns on, a tile holds one row, which is work enough for one
+# program, and the loop only costs registers: step 1's kernel takes over.
 LONG_ROW = 2048
 
 
 def _persistent(x):
-    """Forward only: softmax_kernel's persistent row tiles on a prepared input below LONG_ROW columns,
-    step 1's kernel from there on."""
+    """Forward only: row tiles below LONG_ROW columns, step 1's kernel from there."""
     M, N = x.shape
     BLOCK_M, BLOCK_N, num_warps = _tile_shape(N)
     if BLOCK_N >= LONG_ROW:
@@ -324,14 +344,16 @@ def _persistent(x):
 if __name__ == "__main__":
     y = _persistent(_prepare(x))
     torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-7)
-    print(f"persistent row tiles, 1823x781 fp32: max abs error {(y.double() - reference).abs().max().item():.2e}")
+    error = (y.double() - reference).abs().max().item()
+    print(f"persistent row tiles, 1823x781 fp32: max abs error {error:.2e}")
 
 # %%
 # The backward pass
 # -----------------
-# Training needs :math:`\partial L / \partial x` given :math:`dy = \partial L / \partial y`. For one
-# row, :math:`y_i = e^{x_i} / \sum_k e^{x_k}` (subtracting the maximum does not change :math:`y`,
-# so it does not change its derivatives either), and differentiating the quotient gives the Jacobian
+# Training needs :math:`\partial L / \partial x` given
+# :math:`dy = \partial L / \partial y`. For one row, :math:`y_i = e^{x_i} / \sum_k
+# e^{x_k}` (subtracting the maximum does not change :math:`y`, so it does not change its
+# derivatives either), and differentiating the quotient gives the Jacobian
 #
 # .. math::
 #
@@ -346,23 +368,32 @@ if __name__ == "__main__":
 #         &= y_i \Big(dy_i - \sum_j dy_j\, y_j\Big), \\
 #    dx &= y \circ \big(dy - \operatorname{rowsum}(dy \circ y)\big).
 #
-# The :math:`N \times N` Jacobian is never formed: each row needs one dot product and one
-# element-wise update. The backward needs the *output* :math:`y`, not the input, so the forward
-# saves :math:`y`. Fused like the forward, the backward reads :math:`y` and :math:`dy` once and
-# writes :math:`dx` once, :math:`3MN` elements, the least it can move. The math is fp32 again: the
-# dot product is a sum of :math:`N` terms. A tile now holds two arrays, so the backward runs short
-# of registers sooner: compiled offline as above, it used all 64 registers per thread at 32,768
-# columns and spilled 88 to 204 bytes per thread, and spilled nothing at 16,384.
+# The :math:`N \times N` Jacobian is never formed: each row needs one dot product and
+# one element-wise update. The backward needs the *output* :math:`y`, not the input, so
+# the forward saves :math:`y`. Fused like the forward, the backward reads :math:`y` and
+# :math:`dy` once and writes :math:`dx` once, :math:`3MN` elements, the least it can
+# move. The math is fp32 again: the dot product is a sum of :math:`N` terms. A tile now
+# holds two arrays, so the backward runs short of registers sooner than the forward,
+# at the longest rows that the forward still holds.
 #
-# The backward kernel takes one tile of rows per program and no persistent loop: it is simpler,
-# and this lesson does not benchmark it. ``dy`` comes with any strides (autograd hands over an
-# expanded tensor of stride 0 for ``y.sum().backward()``), so its strides are parameters; ``y`` and
-# ``dx`` are allocated here, contiguous.
+# The backward kernel takes one tile of rows per program and no persistent loop: it is
+# simpler, and this lesson does not benchmark it. ``dy`` comes with any strides
+# (autograd hands over an expanded tensor of stride 0 for ``y.sum().backward()``), so
+# its strides are parameters; ``y`` and ``dx`` are allocated here, contiguous.
 
 
 @triton.jit
-def softmax_backward_kernel(y_ptr, dy_ptr, dx_ptr, M, N, dy_row_stride, dy_col_stride,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def softmax_backward_kernel(
+    y_ptr,
+    dy_ptr,
+    dx_ptr,
+    M,
+    N,
+    dy_row_stride,
+    dy_col_stride,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
@@ -370,462 +401,353 @@ def softmax_backward_kernel(y_ptr, dy_ptr, dx_ptr, M, N, dy_row_stride, dy_col_s
     at = rows[:, None] * N + cols[None, :]  # y and dx are contiguous
     # Padding loads 0 for both: it adds nothing to the dot product and is never stored.
     y = tl.load(y_ptr + at, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :] * dy_col_stride,
-                 mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(
+        dy_ptr + rows[:, None] * dy_row_stride + cols[None, :] * dy_col_stride,
+        mask=mask,
+        other=0.0,
+    ).to(tl.float32)
     dx = y * (dy - tl.sum(y * dy, axis=1)[:, None])
     tl.store(dx_ptr + at, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 def softmax_backward(y, dy):
-    """dx = y * (dy - rowsum(dy * y)) for a contiguous softmax output y and its gradient dy."""
-    dy = int32_columns(dy.resolve_neg())
+    """dx = y * (dy - rowsum(dy * y)), for y a contiguous softmax output."""
+    dy = kit.int32_columns(dy.resolve_neg())
     M, N = y.shape
     dx = torch.empty_like(y)
     BLOCK_M, BLOCK_N, num_warps = _tile_shape(N)
-    softmax_backward_kernel[(triton.cdiv(M, BLOCK_M),)](y, dy, dx, M, N, dy.stride(0), dy.stride(1),
-                                                        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=num_warps)
+    softmax_backward_kernel[(triton.cdiv(M, BLOCK_M),)](
+        y, dy, dx, M, N, dy.stride(0), dy.stride(1),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=num_warps,
+    )  # fmt: skip
     return dx
 
 
 # %%
 # ``torch.autograd.Function`` ties the two together: ``forward`` runs one of the forward
-# launchers and saves :math:`y`, ``backward`` runs the kernel above. A tensor computed by a Triton
-# kernel has no autograd history of its own, so without this wrapper ``softmax(x)`` of an ``x``
-# that requires a gradient would return an output with no graph, and a loss built on it would
-# silently never reach ``x``. The wrapper is skipped when no graph is wanted, so that calls without
-# one, such as the benchmark's, pay nothing for it. The backward is marked ``once_differentiable``:
-# it builds no graph of its own, so asking for a second derivative through it raises an error
-# instead of silently treating the first derivative as a constant.
+# launchers and saves :math:`y`, ``backward`` runs the kernel above. A tensor computed
+# by a Triton kernel has no autograd history of its own, so without this wrapper
+# ``softmax(x)`` of an ``x`` that requires a gradient would return an output with no
+# graph, and a loss built on it would silently never reach ``x``. The wrapper is skipped
+# when no graph is wanted, so that calls without one, such as the benchmark's, pay
+# nothing for it. The backward is marked ``once_differentiable``: it builds no graph of
+# its own, so asking for a second derivative through it raises an error instead of
+# silently treating the first derivative as a constant. The backward launcher is a
+# parameter: the next lesson plugs its own, for rows of any length, into this wrapper.
 
 
 class _Softmax(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, launch):
+    def forward(ctx, x, launch, backward):
         y = launch(x)
         ctx.save_for_backward(y)
+        ctx.backward_launch = backward
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         (y,) = ctx.saved_tensors
-        return softmax_backward(y, dy), None
+        return ctx.backward_launch(y, dy), None, None
 
 
-def _differentiable(launch, x):
+def differentiable(launch, x, backward=softmax_backward):
+    """launch(x), its backward backward(y, dy), where autograd wants a graph."""
     if torch.is_grad_enabled() and x.requires_grad:
-        return _Softmax.apply(x, launch)
+        return _Softmax.apply(x, launch, backward)
     return launch(x)
 
 
 def softmax_one_row_per_program(x):
-    """Row-wise softmax, one program per row (step 1); differentiable. Returns a new contiguous tensor."""
-    return _differentiable(_one_row_per_program, _prepare(x))
+    """Row-wise softmax into a new tensor, one program per row; differentiable."""
+    return differentiable(_one_row_per_program, _prepare(x))
 
 
 def softmax(x):
-    """Row-wise softmax by persistent programs over row tiles (step 2), rows of LONG_ROW columns or more
-    by step 1's kernel; differentiable. Returns a new contiguous tensor."""
-    return _differentiable(_persistent, _prepare(x))
+    """Row-wise softmax into a new tensor, by persistent programs over row tiles,
+    rows of LONG_ROW columns or more by step 1's kernel; differentiable."""
+    return differentiable(_persistent, _prepare(x))
 
 
 # %%
-# The gradient, checked against float64 autograd through ``torch.softmax``, on a row length that
-# is not a power of two and a transposed (strided) input:
+# The gradient, checked against float64 autograd through ``torch.softmax``, on a row
+# length that is not a power of two and a transposed (strided) input:
 
 if __name__ == "__main__":
     base = torch.randn(300, 37, device=DEVICE)
-    for name, fn in [("one row per program", softmax_one_row_per_program), ("persistent", softmax)]:
-        x = base.t().detach().requires_grad_()  # 37 rows of 300 columns, column stride 37
+    for fn in (softmax_one_row_per_program, softmax):
+        x = base.t().detach().requires_grad_()  # 37 rows of 300 columns, stride 37
         dy = torch.randn(37, 300, device=DEVICE)
         fn(x).backward(dy)
         x64 = x.detach().double().requires_grad_()
         torch.softmax(x64, dim=1).backward(dy.double())
         torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-5, atol=1e-7)
-        print(f"{name}: gradient on 37x300 (strided) fp32 matches float64 autograd; "
-              f"max abs error {(x.grad.double() - x64.grad).abs().max().item():.2e}")
+        error = (x.grad.double() - x64.grad).abs().max().item()
+        print(
+            f"{fn.__name__}: gradient on 37x300 (strided) fp32 matches float64 "
+            f"autograd; max abs error {error:.2e}"
+        )
 
 # %%
 # Benchmark
 # ---------
-# On a GPU each provider runs at :math:`M = 4096` rows and a range of row lengths (under the
-# interpreter, at the few small sizes of the table below). Speed is given as
-# effective bandwidth, :math:`2MN \times` the element size over the time: the bytes a perfect fused
-# kernel must move. Two copies give the scale, both measured in the same run:
+# On a GPU each provider runs at :math:`M = 4096` rows and a range of row lengths (under
+# the interpreter, at the few small sizes of the table below). Speed is given as
+# effective bandwidth, :math:`2MN \times` the element size over the time: the bytes a
+# perfect fused kernel must move. Two copies give the scale, both measured in the same
+# run:
 #
-# * a device-to-device copy of a large buffer (256 MiB on a GPU), far bigger than the caches: the
-#   best estimate this page has of what the memory system sustains. It is an estimate, not a bound:
-#   it is itself a kernel, measured with its own overheads.
-# * a copy of *the same tensor* at each size, since on a GPU, for small inputs, launching a kernel
-#   and ramping the memory system up and down take a fixed few microseconds, and even a plain copy
-#   falls short of the large-buffer figure there. (On a CPU a small tensor sits in the caches and
-#   its copy can beat the large buffer's many times over.) This is a reference, not a ceiling: it
-#   measures PyTorch's copy (for contiguous tensors of one dtype, the CUDA driver's
-#   device-to-device ``memcpy``), whose launch shape is chosen for copies in general, not for this
-#   size. A kernel that keeps more loads in flight per thread, or spreads its last wave of
-#   programs differently, can finish sooner at some sizes; the sentences under the table count
-#   where that happened in this run.
+# * a device-to-device copy of a large buffer (256 MiB on a GPU), far bigger than the
+#   caches: the best estimate this page has of what the memory system sustains. It is
+#   an estimate, not a bound: it is itself a kernel, measured with its own overheads.
+# * a copy of *the same tensor* at each size, since on a GPU, for small inputs,
+#   launching a kernel and ramping the memory system up and down take a fixed few
+#   microseconds, and even a plain copy falls short of the large-buffer figure there.
+#   (On a CPU a small tensor sits in the caches and its copy can beat the large
+#   buffer's many times over.) This is a reference, not a ceiling: it measures
+#   PyTorch's copy (for contiguous tensors of one dtype, the CUDA driver's
+#   device-to-device ``memcpy``), whose launch shape is chosen for copies in general,
+#   not for this size. A kernel that keeps more loads in flight per thread, or spreads
+#   its last wave of programs differently, can finish sooner at some sizes; the
+#   sentences under the table count where that happened in this run.
 #
-# On a GPU the time is the median of ``triton.testing.do_bench``, the fastest of two or more timings
-# (``fastest_of_rounds`` below says why); under the interpreter it is the fastest wall-clock time
-# of three runs, which measures NumPy on the CPU, not a GPU.
-# ``torch.compile`` fuses the naive version into generated Triton code. It compiles once per shape,
-# which takes seconds on a GPU; on a CPU it would generate C++ instead, which says nothing about
-# Triton, so it only runs on a GPU.
-
-import functools  # noqa: E402
-import platform  # noqa: E402
-import time  # noqa: E402
-
-
-def describe_platform():
-    """What produced the numbers on this page."""
-    versions = f"torch {torch.__version__}, Triton {triton.__version__}"
-    if ON_GPU:
-        return f"GPU: {torch.cuda.get_device_name()} ({versions})"
-    return (f"Triton interpreter on CPU ({platform.processor() or platform.machine()}; {versions}): "
-            "these timings measure the interpreter, not a GPU")
-
-
-def warm_up(fn, seconds=0.05):
-    """Run fn on the GPU for `seconds` (50 ms unless asked) and return how many calls that took.
-
-    While the host compiles, the GPU idles and its clocks drop; do_bench sizes its repetitions from the
-    first few calls, so a kernel timed right after its compilation was timed on a cold GPU (seen on an
-    H100: 90 GB/s for a softmax that runs at 1000)."""
-    calls, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:  # waiting each time: a queue of slow calls would take minutes
-        fn()
-        torch.cuda.synchronize()
-        calls += 1
-    return calls
-
-
-def bench_ms(fn):
-    """Time of fn() in milliseconds: do_bench's median on a GPU; under the interpreter the fastest of three
-    wall-clock runs, since on a shared CPU other processes only ever add time (a test run building the
-    site beside its test processes once slowed one copy 30-fold)."""
-    if ON_GPU:
-        warm_up(fn)
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    fn()
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * min(times)
-
-# A timing can also catch the host: a launch held up on the CPU (by another process, say) leaves the
-# GPU idle, and the clock counts it. So on a GPU every provider is timed ROUNDS times, the rounds in
-# alternating order (first to last, then last to first), and each keeps its fastest timing. A
-# provider whose two timings differ by more than AGREE was disturbed in one of them (one H100 build
-# printed a bf16 row of 512 at 21% of a copy, which other builds put above 90%): it is timed again,
-# up to MAX_TIMINGS times in all.
-ROUNDS = 2 if ON_GPU else 1
-AGREE, MAX_TIMINGS = 0.25, 4
-
-
-def retime_disagreeing(times, timers):
-    """times ({key: [ms, ...]}) after passes that time again each timers[key] whose two fastest timings differ
-    by more than AGREE, one more timing per pass, until it has MAX_TIMINGS of them."""
-    for _ in range(MAX_TIMINGS - ROUNDS if ROUNDS > 1 else 0):
-        for key, ms in times.items():
-            fastest, second = sorted(ms)[:2]
-            if second > (1 + AGREE) * fastest:
-                ms.append(timers[key]())
-    return times
-
-
-def fastest_of_rounds(timers):
-    """{name: fastest milliseconds} of each timer in timers, each run ROUNDS times in alternating order, and
-    again (up to MAX_TIMINGS) while its two fastest timings differ by more than AGREE."""
-    times = {name: [] for name in timers}
-    for r in range(ROUNDS):
-        for name in (list(timers) if r % 2 == 0 else list(timers)[::-1]):
-            times[name].append(timers[name]())
-    return {name: min(ms) for name, ms in retime_disagreeing(times, timers).items()}
-
-
-def copy_bandwidth_gbs():
-    """Device copy bandwidth (bytes read + written per second) on a buffer far larger than caches."""
-    n = (256 << 20) if ON_GPU else (8 << 20)
-    src = torch.randn(n // 4, device=DEVICE)
-    dst = torch.empty_like(src)
-    return 2 * n / bench_ms(lambda: dst.copy_(src)) * 1e-6
-
-
-def save_results(tutorial, benchmarks):
-    """Leave the measured numbers for the site's "Performance at a glance" page, when built by it."""
-    out = os.environ.get("TUTORIAL_RESULTS_DIR")
-    if not out:
-        return
-    import json
-
-    os.makedirs(out, exist_ok=True)
-    record = {"tutorial": tutorial, "platform": describe_platform(), "on_gpu": ON_GPU,
-              "date": time.strftime("%Y-%m-%d"), "benchmarks": benchmarks}
-    with open(os.path.join(out, tutorial + ".json"), "w") as f:
-        json.dump(record, f, indent=1)
-
+# How we time: every provider, the copies included, is timed the same way, as the
+# :doc:`performance page <../performance>` defines in "How we time": *GPU time*, the
+# call replayed from a CUDA graph after the L2 cache is flushed, and *back to back*,
+# calls enqueued from Python one after another, which is what a loop sees. The table
+# and the sentences read GPU time; the last sentence says where back to back differs.
+# Under the interpreter both are wall-clock times of NumPy on the CPU: illustrative.
+# ``torch.compile`` fuses the naive version into generated Triton code. It compiles once
+# per shape, which takes seconds on a GPU; on a CPU it would generate C++ instead, which
+# says nothing about Triton, so it only runs on a GPU.
 
 ONE_ROW = "Triton, one row per program"
 PERSISTENT = "Triton, row tiles (step 2)"
-SAME_SIZE_COPY = "copy of x (same bytes)"
-PROVIDERS = {
-    ONE_ROW: softmax_one_row_per_program,
-    PERSISTENT: softmax,
-    "torch.softmax": lambda x: torch.softmax(x, dim=1),
-    "naive PyTorch": naive_softmax,
-}
+OURS = (PERSISTENT, ONE_ROW)
 
 
-def run_benchmark(M, sizes, dtypes):
-    rows = []
-    for dtype in dtypes:
-        for N in sizes:
-            x = torch.randn(M, N, device=DEVICE, dtype=dtype)
-            case = dict(dtype=str(dtype).split(".")[1], N=N)
-            timers = {name: functools.partial(bench_ms, functools.partial(fn, x)) for name, fn in PROVIDERS.items()}
-            copy_of_x = torch.empty_like(x)
-            timers[SAME_SIZE_COPY] = functools.partial(bench_ms, functools.partial(copy_of_x.copy_, x))
-            if ON_GPU:
-                torch._dynamo.reset()  # one compiled graph per shape, never the recompile limit
-                timers["torch.compile"] = functools.partial(
-                    bench_ms, functools.partial(torch.compile(naive_softmax, dynamic=False), x))
-            for name, ms in fastest_of_rounds(timers).items():
-                rows.append(dict(case, provider=name, value=2 * x.numel() * x.element_size() / ms * 1e-6))
-    return rows
+def providers(x):
+    """What the benchmark times on x, each as fn(x)."""
+    calls = {
+        ONE_ROW: softmax_one_row_per_program,
+        PERSISTENT: softmax,
+        "torch.softmax": lambda t: torch.softmax(t, dim=1),
+        "naive PyTorch": naive_softmax,
+        kit.SAME_BYTES: torch.empty_like(x).copy_,
+    }
+    if kit.ON_GPU:
+        calls["torch.compile"] = kit.compiled_for(naive_softmax, x)
+    return calls
 
 
 if __name__ == "__main__":
     import matplotlib.pyplot as plt
-    import pandas as pd
 
-    print(describe_platform())
+    print(kit.describe_platform())
     dtypes = [torch.float32, torch.bfloat16]
-    if ON_GPU:
+    if kit.ON_GPU:
         M, sizes = 4096, [256, 512, 1024, 2048, 4096, 8192, 12288, 16384, 32768]
     else:
         M, sizes = 64, [64, 200, 781]
-    copy_gbs = copy_bandwidth_gbs()
+    copy_gbs = kit.copy_bandwidth_gbs()
     print(f"device copy bandwidth (large buffer), measured now: {copy_gbs:.0f} GB/s")
-    results = pd.DataFrame(run_benchmark(M, sizes, dtypes))
-    table = results.pivot_table(index=["dtype", "N"], columns="provider", values="value", sort=False)
+    results, table, b2b = kit.bandwidth_benchmark(M, sizes, dtypes, providers)
 
 # %%
 # The results
 # -----------
-# Every provider's speed in GB/s at each row length, in this run (to 0.1 GB/s on a GPU; the
-# interpreter's tiny figures keep three significant digits):
+# Every provider's speed in GB/s at each row length, by GPU time, in this run (whole
+# GB/s on a GPU; the interpreter's tiny figures keep three significant digits; a range
+# where a provider's timings spread by more than 10%):
 
-
-def rates_shown(table):
-    """The table of GB/s as the page shows it: to 0.1 on a GPU, to three significant digits under the
-    interpreter, whose rates are far too small for a fixed number of decimals."""
-    shown = table.rename(columns=lambda name: f"{name} [GB/s]")
-    return shown.round(1) if ON_GPU else shown.apply(lambda column: column.map(lambda v: float(f"{v:.3g}")))
-
-
-rates_shown(table) if __name__ == "__main__" else None
+kit.rates_table(results, ["dtype", "N"], "GB/s") if __name__ == "__main__" else None
 
 # %%
 # What the numbers say
 # --------------------
 # Computed from the table just above, in this run.
 
+
+def span(r, fmt, unit=""):
+    """'lowest (at its case) to highest (at its case)' of a ratio over the cases."""
+    at = {key: f"{r[key]:{fmt}}{unit} (at {key[0]}, N = {key[1]})" for key in r.index}
+    return f"{at[r.idxmin()]} to {at[r.idxmax()]}"
+
+
 if __name__ == "__main__":
-    peers = [c for c in table.columns if c not in (ONE_ROW, PERSISTENT, "naive PyTorch", SAME_SIZE_COPY)]
-    at = lambda key: f"{key[0]}, N = {key[1]}"  # noqa: E731
+    others = (*OURS, "naive PyTorch", kit.SAME_BYTES)
+    peers = [c for c in table.columns if c not in others]
     ratio = table[PERSISTENT] / table[ONE_ROW]
-    persistence = ratio[ratio.index.get_level_values("N") < LONG_ROW]  # where step 2's grid is persistent
-    print(f"What persistence buys, below {LONG_ROW} columns: row tiles run at {persistence.min():.2f}x "
-          f"(at {at(persistence.idxmin())}) to {persistence.max():.2f}x (at {at(persistence.idxmax())}) the speed of "
-          f"one program per row; faster at {(persistence > 1).sum()} of {len(persistence)} sizes.")
+    persistence = ratio[ratio.index.get_level_values("N") < LONG_ROW]  # persistent
+    print(
+        f"What persistence buys, below {LONG_ROW} columns: row tiles run at "
+        f"{span(persistence, '.2f', 'x')} the speed of one program per row; faster "
+        f"at {(persistence > 1).sum()} of {len(persistence)} sizes."
+    )
     speedup = table[PERSISTENT] / table[peers].max(axis=1)
-    print(f"Step 2 vs. the best of {', '.join(peers)}: from {speedup.min():.2f}x "
-          f"(at {at(speedup.idxmin())}) to {speedup.max():.2f}x (at {at(speedup.idxmax())}).")
-    naive_ratio = table[PERSISTENT] / table["naive PyTorch"]
-    print(f"Step 2 vs. naive PyTorch: {naive_ratio.min():.1f}x to {naive_ratio.max():.1f}x "
-          f"(the byte count predicts about 4x on a GPU; more than that means the naive version's own kernels "
-          f"move their bytes slower than step 2 moves its own).")
+    print(f"Step 2 vs. the best of {', '.join(peers)}: {span(speedup, '.2f', 'x')}.")
+    naive = table[PERSISTENT] / table["naive PyTorch"]
+    print(
+        f"Step 2 vs. naive PyTorch: {naive.min():.1f}x to {naive.max():.1f}x (the "
+        "byte count predicts about 4x on a GPU; more than that means the naive "
+        "version's own kernels move their bytes slower than step 2 moves its own)."
+    )
     fraction = table[PERSISTENT] / copy_gbs
-    print(f"Step 2 reaches {fraction.min():.0%} (at {at(fraction.idxmin())}) to {fraction.max():.0%} "
-          f"(at {at(fraction.idxmax())}) of the large-buffer copy bandwidth.")
-    small = table[SAME_SIZE_COPY] / copy_gbs
-    same = table[PERSISTENT] / table[SAME_SIZE_COPY]
-    print(f"A copy of the same tensor reaches {small.min():.0%} (at {at(small.idxmin())}) to {small.max():.0%} of the "
-          f"large-buffer bandwidth; against it, step 2 reaches {same.min():.0%} (at {at(same.idxmin())}) to "
-          f"{same.max():.0%}, at least 95% at {(same >= 0.95).sum()} of {len(same)} sizes.")
-    if not ON_GPU:
-        print("These are interpreter timings: the ratios measure NumPy on the CPU, not GPU kernels.")
-    save_results("02-fused-softmax", [{
-        "name": "softmax, M = %d" % M, "unit": "GB/s", "ceiling_name": "copy bandwidth", "ceiling": copy_gbs,
-        "ceiling_per_case": SAME_SIZE_COPY, "ours": [PERSISTENT, ONE_ROW], "peers": peers,
-        "rows": results.to_dict("records")}])
+    print(f"Step 2 reaches {span(fraction, '.0%')} of the large-buffer bandwidth.")
+    small = table[kit.SAME_BYTES] / copy_gbs
+    same = table[PERSISTENT] / table[kit.SAME_BYTES]
+    print(
+        f"A copy of the same tensor reaches {span(small, '.0%')} of the large-buffer "
+        f"bandwidth; against it, step 2 reaches {span(same, '.0%')}, at least 95% "
+        f"at {(same >= 0.95).sum()} of {len(same)} sizes."
+    )
+    if kit.ON_GPU:
+        loop = b2b[PERSISTENT] / b2b[kit.SAME_BYTES]
+        host = b2b[PERSISTENT] / table[PERSISTENT]
+        print(
+            f"Back to back, as a loop sees it, step 2 reaches {span(loop, '.0%')} of "
+            f"the copy timed the same way, and {span(host, '.0%')} of its speed by "
+            "GPU time: above 100% where the input stays in the L2 cache from one "
+            "call to the next (GPU time flushes it), below where launching from the "
+            "host, not the GPU, sets the pace."
+        )
+        print(kit.spread_summary(results))
+    else:
+        print("Interpreter timings: the ratios measure NumPy on the CPU, illustrative.")
+    benchmark = dict(name=f"softmax, M = {M}", unit="GB/s", ceiling=copy_gbs)
+    kit.save_results("02-fused-softmax", [dict(
+        benchmark, ceiling_name="copy bandwidth", ceiling_per_case=kit.SAME_BYTES,
+        ours=list(OURS), peers=peers, rows=results.to_dict("records"),
+    )])  # fmt: skip
 
 # %%
 # How close to the memory system?
 # -------------------------------
-# The same numbers as the results table above, one panel per dtype. The dashed line is the
-# large-buffer copy bandwidth, drawn behind the curves; the dotted grey curve is the copy of the
-# same tensor. From ``LONG_ROW`` columns on, the two Triton curves run the same kernel: the gap
-# between them there is how far two timings of one kernel differ in this run.
+# The same numbers as the results table above, one panel per dtype. The dashed line is
+# the large-buffer copy bandwidth, drawn behind the curves; the dotted grey curve is the
+# copy of the same tensor. From ``LONG_ROW`` columns on, the two Triton curves run the
+# same kernel: the gap between them there is how far two timings of one kernel differ
+# in this run.
 
 if __name__ == "__main__":
-    # Shown about 710 px wide on a desktop page: at 8 inches and 100 dpi, 10-point text reads as 9 points.
-    plt.rcParams.update({"font.size": 10, "axes.titlesize": 11, "legend.fontsize": 10,
-                         "xtick.labelsize": 10, "ytick.labelsize": 10})
-    fig, axes = plt.subplots(1, len(dtypes), figsize=(8, 4.8), sharey=True, squeeze=False)
-    for ax, (dtype, part) in zip(axes[0], table.groupby(level="dtype", sort=False)):
-        part = part.droplevel("dtype")
-        ax.axhline(copy_gbs, color="black", linestyle="--", linewidth=1, zorder=1,
-                   label="copy bandwidth (large buffer)")
-        part[SAME_SIZE_COPY].plot(ax=ax, color="gray", linestyle=":", marker=".", logx=True, zorder=2)
-        part.drop(columns=SAME_SIZE_COPY).plot(ax=ax, marker="o", markersize=4, logx=True, zorder=3)
-        ax.set(title=dtype, xlabel="N (row length)", ylabel="GB/s", ylim=(0, None))
-        ax.set_xticks(sizes, [str(n) for n in sizes], rotation=45, minor=False)
-        ax.minorticks_off()
-        ax.get_legend().remove()
-    handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=3, frameon=False)
-    fig.suptitle(f"Softmax, M = {M} rows: speed against the copy bandwidth")
-    fig.tight_layout(rect=(0, 0.14, 1, 1))
+    title = f"Softmax, M = {M} rows: speed against the copy bandwidth"
+    kit.plot_bandwidth(table, copy_gbs, title, OURS)
     plt.show()
 
 # %%
 # What does persistence buy?
 # --------------------------
-# The ratio of the two Triton kernels at each size below ``LONG_ROW``, where step 2's grid is
-# persistent: above the line at 1, persistent programs over row tiles are faster than one program
-# per row.
+# The ratio of the two Triton kernels at each size below ``LONG_ROW``, where step 2's
+# grid is persistent: above the line at 1, persistent programs over row tiles are faster
+# than one program per row.
 
 if __name__ == "__main__":
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
-    ax.axhline(1, color="black", linestyle="--", linewidth=1, zorder=1, label="equal speed")
+    ax.axhline(1, color="black", linestyle="--", linewidth=1, label="equal speed")
     for dtype, ratio in persistence.groupby(level="dtype", sort=False):
-        ratio.droplevel("dtype").plot(ax=ax, marker="o", logx=True, zorder=3, label=dtype)
-    ax.set(title="persistent row tiles / one program per row", xlabel="N (row length)", ylabel="speed ratio")
+        ratio.droplevel("dtype").plot(ax=ax, marker="o", logx=True, label=dtype)
     short = [n for n in sizes if n < LONG_ROW]
     ax.set_xticks(short, [str(n) for n in short], rotation=45, minor=False)
     ax.minorticks_off()
+    ax.set(xlabel="N (row length)", ylabel="speed ratio")
+    ax.set_title("persistent row tiles / one program per row")
     ax.legend()
     fig.tight_layout()
     plt.show()
 
 # %%
-# On a GPU, expect the fused kernels to be a few times faster than the naive version, as the byte
-# count predicts, and to come close to the copy bandwidth once rows are long enough to keep the
-# memory system busy; the lines printed under the table say how close they came in this run, and
-# at which sizes persistence helped and at which it did not. For short rows even a copy of the same
-# tensor stays far below the dashed line: so little data cannot keep the memory system busy. What
-# is left between a kernel and that copy is the kernel's own cost of starting and finishing each
-# tile: loads cannot start before the program knows its addresses, and the store of a row waits
-# for its reductions.
+# On a GPU, expect the fused kernels to be a few times faster than the naive version, as
+# the byte count predicts, and to come close to the copy bandwidth once rows are long
+# enough to keep the memory system busy; the lines printed under the table say how
+# close they came in this run, and at which sizes persistence helped and at which it
+# did not. For short rows even a copy of the same tensor stays far below the dashed
+# line: so little data cannot keep the memory system busy. What is left between a
+# kernel and that copy is the kernel's own cost of starting and finishing each tile:
+# loads cannot start before the program knows its addresses, and the store of a row
+# waits for its reductions.
 #
 # Exercises
 # ---------
-# Each exercise comes with a check: pass it your function and it runs it on fresh random inputs of
-# irregular shapes in fp32, fp16 and bf16 (and strided views, and a strided ``dy`` for the
-# gradient), checks that your function leaves its inputs as they were, compares with a float64 reference
-# with ``torch.testing.assert_close`` (so ``NaN`` fails), and either raises ``AssertionError``
-# saying what is wrong or prints one line saying the function passed. Solutions are not given here.
+# Each exercise comes with a check: pass it your function and it runs it on fresh
+# random inputs of irregular shapes in fp32, fp16 and bf16 (and strided views, and a
+# strided ``dy`` for the gradient), checks that your function leaves its inputs as they
+# were, compares with a float64 reference with ``torch.testing.assert_close`` (so
+# ``NaN`` fails), and either raises ``AssertionError`` saying what is wrong or prints
+# one line saying the function passed. Solutions are not given here.
 #
-# 1. **Masked softmax.** Attention over padded sequences ignores the keys past each row's length.
-#    Write ``masked_softmax(x, lengths)`` as a Triton kernel: ``x`` is (M, N), ``lengths`` an
-#    int32 tensor of M lengths between 1 and N; row ``i`` is the softmax of its first
-#    ``lengths[i]`` columns, and the columns past it are exactly 0. Check it with
-#    ``check_masked_softmax(masked_softmax)``.
-# 2. **Log-softmax and its backward.** Write ``log_softmax(x)``, :math:`x_i - m - \log \sum_j
-#    e^{x_j - m}`, as a forward kernel and a backward kernel wired together with
-#    ``torch.autograd.Function``. Derive the backward the way this lesson derived softmax's (hint:
-#    it needs only the saved output and one sum per row). Check it with
-#    ``check_log_softmax(log_softmax)``, which also compares the gradient with float64 autograd.
-
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-
-
-def _exercise_inputs():
-    """Fresh random (name, leaf tensor, view) cases: the input is view(leaf), some of them strided.
-
-    Row 0 is shifted up by 100: e^100 overflows fp32 and fp16, so the row maximum must be subtracted."""
-    def shifted(view, *shape, dtype):
-        leaf = (torch.randn(*shape, device=DEVICE) * 4).to(dtype)
-        view(leaf)[0] += 100  # row 0 of the input, through the view
-        return leaf
-
-    for dtype in SUPPORTED_DTYPES:
-        cases = [(f"{M}x{N}", (M, N), lambda t: t) for M, N in [(1, 1), (1, 300), (7, 1), (5, 257), (37, 100)]]
-        cases += [("13x200 column slice", (13, 300), lambda t: t[:, 7:207]),
-                  ("90x11 transposed view", (11, 90), lambda t: t.t())]
-        for name, shape, view in cases:
-            yield f"{name} {str(dtype)[6:]}", shifted(view, *shape, dtype=dtype), view
-
-
-def _expect_close(exercise, case, what, got, expected, dtype, atol):
-    if not isinstance(got, torch.Tensor) or got.shape != expected.shape or got.dtype != dtype:
-        shown = f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else type(got).__name__
-        raise AssertionError(f"{exercise} on {case}: {what} should be a {tuple(expected.shape)} {dtype} tensor, "
-                             f"got {shown}")
-    try:
-        torch.testing.assert_close(got.double(), expected, rtol=TOLERANCE[dtype], atol=atol)
-    except AssertionError as error:
-        raise AssertionError(f"{exercise} on {case}: {what} differs from the float64 reference.\n{error}") from None
-
-
-def _unchanged(exercise, case, name, before, after):
-    if not torch.equal(before, after):
-        raise AssertionError(f"{exercise} on {case}: the function changed its input {name}; it must leave it as it was")
+# 1. **Masked softmax.** Attention over padded sequences ignores the keys past each
+#    row's length. Write ``masked_softmax(x, lengths)`` as a Triton kernel: ``x`` is
+#    (M, N), ``lengths`` an int32 tensor of M lengths between 1 and N; row ``i`` is the
+#    softmax of its first ``lengths[i]`` columns, and the columns past it are exactly 0.
+#    Check it with ``check_masked_softmax(masked_softmax)``.
+# 2. **Log-softmax and its backward.** Write ``log_softmax(x)``,
+#    :math:`x_i - m - \log \sum_j e^{x_j - m}`, as a forward kernel and a backward
+#    kernel wired together with ``torch.autograd.Function``. Derive the backward the way
+#    this lesson derived softmax's (hint: it needs only the saved output and one sum per
+#    row). Check it with ``check_log_softmax(log_softmax)``, which also compares the
+#    gradient with float64 autograd.
 
 
 def check_masked_softmax(fn):
-    """Check fn(x, lengths) -> softmax of each row's first lengths[i] columns, exactly 0 past them."""
-    count = 0
-    for case, leaf, view in _exercise_inputs():
+    """Check fn(x, lengths): the softmax of each row's first lengths[i] columns."""
+    name = "masked_softmax"
+    for count, (case, leaf, view) in enumerate(kit.irregular_rows(scale=4), 1):
         x = view(leaf)
         M, N = x.shape
         lengths = torch.randint(1, N + 1, (M,), device=DEVICE, dtype=torch.int32)
-        lengths[-1] = 1  # a one-element row and, where there is room for both, a full one
+        lengths[-1] = 1  # a one-element row and, where there is room, a full one
         lengths[0] = N
         keep = torch.arange(N, device=DEVICE)[None, :] < lengths[:, None]
-        if M > 1:
-            x[-1, 1:] = 120  # padding can hold anything: a maximum taken over it would overflow e^(x - m)
+        if M > 1:  # padding can hold anything: a maximum over it would overflow
+            x[-1, 1:] = 120
         expected = torch.softmax(x.double().masked_fill(~keep, -float("inf")), dim=1)
         x_before, lengths_before = x.clone(), lengths.clone()
         y = fn(x, lengths)
-        _unchanged("masked_softmax", case, "x", x_before, x)
-        _unchanged("masked_softmax", case, "lengths", lengths_before, lengths)
-        _expect_close("masked_softmax", case, "the output", y, expected, x.dtype, TOLERANCE[x.dtype] * 1e-2)
+        kit.expect_unchanged(name, case, "x", x_before, x)
+        kit.expect_unchanged(name, case, "lengths", lengths_before, lengths)
+        tol = kit.TOLERANCE[x.dtype]
+        kit.expect_close(name, case, "the output", y, expected, x.dtype, tol, tol / 100)
         if (y[~keep] != 0).any():
-            raise AssertionError(f"masked_softmax on {case}: columns past a row's length must be exactly 0")
-        count += 1
-    print(f"masked_softmax passed on {count} fresh inputs (irregular shapes, fp32/fp16/bf16, strided views).")
+            raise AssertionError(
+                f"{name} on {case}: columns past a row's length must be exactly 0"
+            )
+    print(
+        f"{name} passed on {count} fresh inputs (irregular shapes, fp32/fp16/bf16, "
+        "strided views)."
+    )
 
 
 def check_log_softmax(fn):
-    """Check fn(x) -> log_softmax(x) along rows, and its gradient, against float64 autograd."""
-    count = 0
-    for case, leaf, view in _exercise_inputs():
+    """Check fn(x) -> log_softmax(x) along rows, and its gradient."""
+    name = "log_softmax"
+    for count, (case, leaf, view) in enumerate(kit.irregular_rows(scale=4), 1):
         leaf.requires_grad_()
         x = view(leaf)
         x64 = x.detach().double().requires_grad_()
         expected = torch.log_softmax(x64, dim=1)
         x_before = x.detach().clone()
         y = fn(x)
-        _unchanged("log_softmax", case, "x", x_before, x.detach())
-        _expect_close("log_softmax", case, "the output", y, expected.detach(), x.dtype, TOLERANCE[x.dtype])
+        kit.expect_unchanged(name, case, "x", x_before, x.detach())
+        tol = kit.TOLERANCE[x.dtype]
+        want = expected.detach()
+        kit.expect_close(name, case, "the output", y, want, x.dtype, tol, tol)
         if y.grad_fn is None:
-            raise AssertionError(f"log_softmax on {case}: the output has no autograd graph although x requires a "
-                                 "gradient; wire the kernels together with torch.autograd.Function")
+            raise AssertionError(
+                f"{name} on {case}: the output has no autograd graph although x "
+                "requires a gradient; wire the kernels together with "
+                "torch.autograd.Function"
+            )
         # dy as autograd may hand it over: a transposed view, not contiguous.
         dy = torch.randn(y.shape[::-1], device=DEVICE).to(y.dtype).t()
         y.backward(dy)
         expected.backward(dy.double())
         if leaf.grad is None:
-            raise AssertionError(f"log_softmax on {case}: x received no gradient")
-        scale = 1 + x64.grad.abs().max().item()
-        _expect_close("log_softmax", case, "the gradient", view(leaf.grad), x64.grad, x.dtype,
-                      TOLERANCE[x.dtype] * scale)
-        count += 1
-    print(f"log_softmax passed on {count} fresh inputs, output and gradient "
-          "(irregular shapes, fp32/fp16/bf16, strided views, a strided dy).")
+            raise AssertionError(f"{name} on {case}: x received no gradient")
+        grad, scale = view(leaf.grad), 1 + x64.grad.abs().max().item()
+        kit.expect_close(
+            name, case, "the gradient", grad, x64.grad, x.dtype, tol, tol * scale
+        )
+    print(
+        f"{name} passed on {count} fresh inputs, output and gradient (irregular "
+        "shapes, fp32/fp16/bf16, strided views, a strided dy)."
+    )

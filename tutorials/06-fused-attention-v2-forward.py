@@ -2,126 +2,88 @@
 Fused attention v2: FlashAttention-2's forward
 ==============================================
 
-FlashAttention-2 (Dao, 2023) reorganizes the FlashAttention-1 algorithm of the previous lesson so
-that a GPU spends its time in matrix multiplications. This lesson builds its forward pass in portable
-Triton, correct for every sequence length, head dimension and masking mode, and measures it against
-PyTorch's cuDNN and flash backends. The next lesson derives and builds the backward pass on top of
-it, and the two after that take the same algorithm to Hopper's warp-specialized design
-(FlashAttention-3) in Gluon.
+FlashAttention-2 (Dao, 2023) reorganizes the FlashAttention-1 algorithm of the previous
+lesson so that a GPU spends its time in matrix multiplications. This lesson builds its
+forward pass in portable Triton, correct for every sequence length, head dimension and
+masking mode, and measures it against PyTorch's cuDNN and flash backends. The next
+lesson derives and builds the backward pass on top of it, and lessons 11 to 13 take the
+same algorithm to Hopper's warp-specialized design (FlashAttention-3) in Gluon.
 
 You will learn:
 
 * what FlashAttention-2 changes from v1, and why each change pays;
-* how to split causal attention into blocks that need no mask and blocks that do, drawn as a grid;
-* why attention is bound by the tensor cores and not by memory, although one tile alone would be;
+* how to split causal attention into blocks that need no mask and blocks that do,
+  drawn as a grid;
+* why attention is bound by the tensor cores and not by memory, although one tile
+  alone would be;
 * how to tune a kernel's tiles once, offline, instead of autotuning in every build;
 * how to cut the host's cost of a launch where the host, not the GPU, sets the pace;
-* the mistakes that learners' versions of this kernel make, and the tests that catch each one.
+* the mistakes that learners' versions of this kernel make, and the tests that catch
+  each one.
 
-This lesson needs ``05-fused-attention-v1.py`` next to it (the site's zip of all lessons has
-both): it reuses that lesson's input checks, its float64 check and its benchmark harness, and
-compares the two versions.
+This lesson needs ``stepkit.py``, ``tuned_tables.json`` and ``05-fused-attention-v1.py``
+next to it (the site's zip of all lessons has them): the shared module, the tile table,
+and the v1 kernel that the benchmark compares.
 """
 
 # %%
 # Where the kernels run
 # ---------------------
-# A CUDA GPU when there is one, otherwise the Triton interpreter on the CPU, switched on before the
-# first ``@triton.jit``.
+# ``stepkit``, the module beside the lessons, picks a CUDA GPU when there is one,
+# otherwise the Triton interpreter on the CPU, before the first ``@triton.jit``.
 
 import functools
-import os
+import itertools
 
 import torch
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
+import stepkit as kit  # picks the device; no GPU: the Triton interpreter
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+DEVICE = kit.DEVICE
 
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+import triton
+import triton.language as tl
 
-
-def load_sibling(stem):
-    """Another lesson of this site, imported once from the file next to this one: its script, or else its
-    notebook (the site's two zips of all lessons hold one or the other side by side); ImportError, saying
-    what to download, when neither is there."""
-    import json
-    import linecache
-    import sys
-    import types
-    from pathlib import Path
-
-    name = "lesson_" + stem.replace("-", "_")
-    if name in sys.modules:
-        return sys.modules[name]
-    here = Path(__file__).parent if "__file__" in globals() else Path.cwd()
-    path = here / f"{stem}.py"
-    if path.exists():
-        source = path.read_text(encoding="utf-8")
-    elif path.with_suffix(".ipynb").exists():
-        path = path.with_suffix(".ipynb")
-        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
-        source = "\n".join("".join(cell["source"]) for cell in cells if cell["cell_type"] == "code")
-        # Triton reads a kernel's source back through linecache: give it the code, not the notebook's JSON.
-        linecache.cache[str(path)] = (len(source), None, source.splitlines(keepends=True), str(path))
-    else:
-        raise ImportError(f"this lesson needs {stem}.py or {stem}.ipynb in the same folder: download all lessons "
-                          "as a zip from the site")
-    module = types.ModuleType(name)  # not __main__: the lesson defines its kernels and runs nothing heavy
-    module.__file__ = str(path)
-    sys.modules[name] = module
-    try:
-        exec(compile(source, str(path), "exec"), module.__dict__)
-    except BaseException:
-        del sys.modules[name]  # a half-run lesson must not be found by the next import
-        raise
-    return module
-
-
-V1 = load_sibling("05-fused-attention-v1")
-# Lesson 05's input checks, float64 check and benchmark harness, under their own names here.
-check_inputs, resolved, resolved_gradient, reference_attention, check_against_float64 = (
-    V1.check_inputs, V1.resolved, V1.resolved_gradient, V1.reference_attention, V1.check_against_float64)
-describe_platform, bench_ms, matmul_tflops, save_results = (
-    V1.describe_platform, V1.bench_ms, V1.matmul_tflops, V1.save_results)
-sdpa_providers, run_benchmark, plot_mode = V1.sdpa_providers, V1.run_benchmark, V1.plot_mode
-results_table, spread_summary, ROUNDS = V1.results_table, V1.spread_summary, V1.ROUNDS
+V1 = kit.load_lesson("05-fused-attention-v1")  # its kernel, compared below
 
 # %%
 # What changes from v1, and why
 # -----------------------------
-# * **Normalize once, at the end.** v1 kept its accumulator normalized: at every key block it
-#   computed two per-row factors (each with a division by the new running sum) and multiplied
-#   the whole accumulator and the whole probability tile by them. v2 keeps the *unnormalized* sum
-#   :math:`a = \sum_j e^{s_j - m} v_j` and divides by :math:`\ell` once after the loop. Inside the
-#   loop only the rescaling of the accumulator by :math:`e^{m - m'}` remains: one multiplication
-#   per accumulator element per block, and none on the probabilities.
-# * **exp2, with** :math:`\log_2 e` **folded into the scale.** The scores are multiplied by
-#   ``sm_scale`` anyway; multiplying by ``sm_scale * log2(e)`` instead makes every exponential a
-#   bare ``exp2``, one hardware instruction, and saves the multiplication by :math:`\log_2 e` that
-#   ``tl.exp`` performs before its own ``exp2``. For the backward, the forward saves
-#   :math:`\mathrm{LSE}_2 = m + \log_2 \ell` per row, in the same base-2 units.
-# * **Parallel over the sequence in the backward too.** v1's backward ran one program per
-#   (batch, head); v2's runs one per block of keys. That is the next lesson's subject.
-# * **A mask only where one is needed.** v1 already stopped a query block at the diagonal, skipping
-#   the key blocks above it (causal attention does about half the work; more than half at short
-#   lengths, where the diagonal's blocks weigh more), but it masked every block it computed. v2 masks
-#   only the blocks that the diagonal crosses and the ragged last block; the key blocks entirely
-#   below the diagonal are fully visible and run a loop compiled without any mask. The grid below,
-#   drawn by this lesson's own code, shows which is which for a small case.
+# * **Normalize once, at the end.** v1 kept its accumulator normalized: at every key
+#   block it computed two per-row factors (each with a division by the new running sum)
+#   and multiplied the whole accumulator and the whole probability tile by them. v2
+#   keeps the *unnormalized* sum :math:`a = \sum_j e^{s_j - m} v_j` and divides by
+#   :math:`\ell` once after the loop. Inside the loop only the rescaling of the
+#   accumulator by :math:`e^{m - m'}` remains: one multiplication per accumulator
+#   element per block, and none on the probabilities.
+# * **exp2, with** :math:`\log_2 e` **folded into the scale.** The scores are multiplied
+#   by ``sm_scale`` anyway; multiplying by ``sm_scale * log2(e)`` instead makes every
+#   exponential a bare ``exp2``, one hardware instruction, and saves the multiplication
+#   by :math:`\log_2 e` that ``tl.exp`` performs before its own ``exp2``. For the
+#   backward, the forward saves :math:`\mathrm{LSE}_2 = m + \log_2 \ell` per row, in the
+#   same base-2 units.
+# * **Parallel over the sequence in the backward too.** v1's backward ran one program
+#   per (batch, head); v2's runs one per block of keys. That is the next lesson's
+#   subject.
+# * **A mask only where one is needed.** v1 already stopped a query block at the
+#   diagonal, skipping the key blocks above it (causal attention does about half the
+#   work; more than half at short lengths, where the diagonal's blocks weigh more), but
+#   it masked every block it computed. v2 masks only the blocks that the diagonal
+#   crosses and the ragged last block; the key blocks entirely below the diagonal are
+#   fully visible and run a loop compiled without any mask. The grid below, drawn by
+#   this lesson's own code, shows which is which for a small case.
 
 LOG2E = 1.4426950408889634
 
 
 def block_kinds(n, block_m, block_n, causal):
-    """For each (query block, key block) pair: 0 skipped, 1 computed with a mask, 2 computed without one."""
-    kinds = torch.zeros(triton.cdiv(n, block_m), triton.cdiv(n, block_n), dtype=torch.int64)
+    """For each (query block, key block) pair: 0 skipped, 1 computed with a mask, 2
+    computed without one."""
+    kinds = torch.zeros(triton.cdiv(n, block_m), triton.cdiv(n, block_n), dtype=int)
     for i in range(kinds.shape[0]):
         for j in range(kinds.shape[1]):
-            rows, keys = (i * block_m, min(n, (i + 1) * block_m) - 1), (j * block_n, min(n, (j + 1) * block_n) - 1)
+            rows = (i * block_m, min(n, (i + 1) * block_m) - 1)
+            keys = (j * block_n, min(n, (j + 1) * block_n) - 1)
             if causal and keys[0] > rows[1]:
                 continue  # every key is after every query: nothing to compute
             ragged = keys[1] - keys[0] + 1 < block_n
@@ -134,26 +96,28 @@ def draw_block_grid(n=300, block_m=64, block_n=32):
     import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
 
+    kit.plot_style()
     cmap = ListedColormap(["#f2f2f2", "#e4a23c", "#3b7dd8"])
     fig, axes = plt.subplots(1, 2, figsize=(8, 4.2))
     for ax, causal in zip(axes, (False, True)):
         kinds = block_kinds(n, block_m, block_n, causal)
+        rows, cols = kinds.shape
         ax.imshow(kinds, cmap=cmap, vmin=0, vmax=2, aspect="auto")
-        ax.set_xticks(range(kinds.shape[1]), [str(j * block_n) for j in range(kinds.shape[1])], rotation=90,
-                      fontsize=10)
-        ax.set_yticks(range(kinds.shape[0]), [str(i * block_m) for i in range(kinds.shape[0])], fontsize=10)
-        ax.set_xticks([x - 0.5 for x in range(kinds.shape[1] + 1)], minor=True)
-        ax.set_yticks([y - 0.5 for y in range(kinds.shape[0] + 1)], minor=True)
+        ax.set_xticks(range(cols), [str(j * block_n) for j in range(cols)], rotation=90)
+        ax.set_yticks(range(rows), [str(i * block_m) for i in range(rows)])
+        ax.set_xticks([x - 0.5 for x in range(cols + 1)], minor=True)
+        ax.set_yticks([y - 0.5 for y in range(rows + 1)], minor=True)
         ax.grid(which="minor", color="white", linewidth=1.5)
         ax.tick_params(which="minor", length=0)
-        ax.set(title=f"{'causal' if causal else 'non-causal'}, N = {n}", xlabel="first key of the block",
-               ylabel="first query of the block")
+        ax.set(title=f"{'causal' if causal else 'non-causal'}, N = {n}",
+               xlabel="first key of the block", ylabel="first query of the block")
         counts = [(kinds == k).sum().item() for k in (2, 1, 0)]
-        ax.text(0.5, -0.32, f"{counts[0]} without mask, {counts[1]} masked, {counts[2]} skipped",
-                transform=ax.transAxes, ha="center", fontsize=10)
+        ax.text(0.5, -0.32,
+                f"{counts[0]} without mask, {counts[1]} masked, {counts[2]} skipped",
+                transform=ax.transAxes, ha="center")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in cmap.colors[::-1]]
-    fig.legend(handles, ["no mask needed", "masked (diagonal or ragged end)", "skipped"], loc="upper center",
-               ncol=3, fontsize=10, frameon=False)
+    labels = ["no mask needed", "masked (diagonal or ragged end)", "skipped"]
+    fig.legend(handles, labels, loc="upper center", ncol=3, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 0.92))
     return fig
 
@@ -162,44 +126,51 @@ if __name__ == "__main__":
     draw_block_grid()
 
 # %%
-# How much work, and what bounds it? The forward does two matrix products of :math:`2N^2D`
-# floating-point operations per (batch, head): :math:`4BHN^2D` FLOPs, half that when causal. The
-# backward recomputes :math:`QK^T` and does four more products: 2.5 times the forward. The tiles
-# lesson counted the bytes a *tile* loads: a program with ``BLOCK_M`` query rows reads all of
-# :math:`K` and :math:`V` once, :math:`2ND` elements, to do :math:`4 \cdot \mathrm{BLOCK\_M} \cdot ND`
-# FLOPs: :math:`2 \cdot \mathrm{BLOCK\_M}` FLOPs per element, :math:`\mathrm{BLOCK\_M}` per byte in
-# fp16, 128 for 128-row tiles. That is below the H100's ridge point (about 990 TFLOP/s over
-# 3.35 TB/s, some 300 FLOPs per byte, datasheet figures): if every program fetched K and V from
-# device memory, attention would be memory-bound. It is not, because the :math:`N / \mathrm{BLOCK\_M}`
-# programs of one (batch, head) run at nearly the same time and read the same K and V: after the
-# first reads them, the others find them in the L2 cache. That is the L2 reuse of the tiles
-# lesson, and it is why the grid puts the query block, not the head, on its fastest-varying axis.
-# Counted from device memory, each of :math:`Q, K, V, O` moves once, and the intensity is about
-# :math:`N/2` FLOPs per byte. Attention is bound by the tensor cores, and its speed is best given
-# as a fraction of the matrix-multiply rate.
+# How much work, and what bounds it? The forward does two matrix products of
+# :math:`2N^2D` floating-point operations per (batch, head): :math:`4BHN^2D` FLOPs, half
+# that when causal. The backward recomputes :math:`QK^T` and does four more products:
+# 2.5 times the forward. The tiles lesson counted the bytes a *tile* loads: a program
+# with ``BLOCK_M`` query rows reads all of :math:`K` and :math:`V` once, :math:`2ND`
+# elements, to do :math:`4 \cdot \mathrm{BLOCK\_M} \cdot ND` FLOPs:
+# :math:`2 \cdot \mathrm{BLOCK\_M}` FLOPs per element, :math:`\mathrm{BLOCK\_M}` per
+# byte in fp16, 128 for 128-row tiles. That is below an H100's ridge point (about 990
+# TFLOP/s over 3.35 TB/s, some 300 FLOPs per byte, from NVIDIA's datasheet for the SXM
+# card): if every program fetched K and V from device memory, attention would be
+# memory-bound. It is not, because the :math:`N / \mathrm{BLOCK\_M}` programs of one
+# (batch, head) run at nearly the same time and read the same K and V: after the first
+# reads them, the others find them in the L2 cache. That is the L2 reuse of the tiles
+# lesson, and it is why the grid puts the query block, not the head, on its
+# fastest-varying axis. Counted from device memory, each of :math:`Q, K, V, O` moves
+# once, and the intensity is about :math:`N/2` FLOPs per byte. Attention is bound by
+# the tensor cores, and its speed is best given as a fraction of the matrix-multiply
+# rate.
 #
 # The forward kernel
 # ------------------
-# The inner loop walks key blocks from ``lo`` to ``hi``. ``MASKED`` is a compile-time flag: the
-# compiler produces one loop without any masking for the bulk of the keys, and one with masks for
-# the causal diagonal and for the ragged last block when :math:`N` is not a multiple of
-# ``BLOCK_N``. Keys past :math:`N` get a score of :math:`-\infty`; their loads read zeros.
-
+# The inner loop walks key blocks from ``lo`` to ``hi``. ``MASKED`` is a compile-time
+# flag: the compiler produces one loop without any masking for the bulk of the keys,
+# and one with masks for the causal diagonal and for the ragged last block when
+# :math:`N` is not a multiple of ``BLOCK_N``. Keys past :math:`N` get a score of
+# :math:`-\infty`; their loads read zeros.
 
 
 @triton.jit
-def _attn_fwd_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, skn, svn, lo, hi, rows, N, qk_scale,
-                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                    NEGATIVE_SCALE: tl.constexpr):
+def _attn_fwd_inner(
+    acc, l_i, m_i, q, kt_ptrs, v_ptrs, skn, svn, lo, hi, rows, N, qk_scale,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    NEGATIVE_SCALE: tl.constexpr,
+):
     cols = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N):
         keys = start_n + cols
+        kt_block = kt_ptrs + keys[None, :] * skn
+        v_block = v_ptrs + keys[:, None] * svn
         if MASKED:
-            kt = tl.load(kt_ptrs + keys[None, :] * skn, mask=keys[None, :] < N, other=0.0)
-            v = tl.load(v_ptrs + keys[:, None] * svn, mask=keys[:, None] < N, other=0.0)
+            kt = tl.load(kt_block, mask=keys[None, :] < N, other=0.0)
+            v = tl.load(v_block, mask=keys[:, None] < N, other=0.0)
         else:
-            kt = tl.load(kt_ptrs + keys[None, :] * skn)
-            v = tl.load(v_ptrs + keys[:, None] * svn)
+            kt = tl.load(kt_block)
+            v = tl.load(v_block)
         if q.dtype == tl.float32:  # interpreter bf16 workaround: see the note below
             kt, v = kt.to(tl.float32), v.to(tl.float32)
         s = tl.dot(q, kt)
@@ -211,7 +182,8 @@ def _attn_fwd_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, skn, svn, lo, hi, rows, N
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             s = s - m_new[:, None]
         else:
-            # The largest scaled score, without scaling them all first: a negative scale flips which is largest.
+            # The largest scaled score, without scaling them all first: a negative
+            # scale flips which is largest.
             extreme = tl.min(s, axis=1) if NEGATIVE_SCALE else tl.max(s, axis=1)
             m_new = tl.maximum(m_i, extreme * qk_scale)
             s = s * qk_scale - m_new[:, None]
@@ -228,17 +200,22 @@ def _attn_fwd_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, skn, svn, lo, hi, rows, N
 def attn_fwd_kernel(
     Q, K, V, O, LSE, qk_scale, H, N, N_BUCKET,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
-    D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr, NEGATIVE_SCALE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    NEGATIVE_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    # Under a causal mask, the last query block first: it has the most keys, and the GPU starts programs
-    # roughly in order, so the ones that start last, as the GPU runs dry, are the shortest.
-    start_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
+    # Under a causal mask, the last query block first: it has the most keys, and the
+    # GPU starts programs roughly in order, so the ones that start last, as the GPU
+    # runs dry, are the shortest.
+    if CAUSAL:
+        start_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        start_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # b * stride can pass 2**31 elements
     b, h = bh // H, bh % H
     rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, D)
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqn + d[None, :] * sqd, mask=rows[:, None] < N, other=0.0)
+    q_ptrs = Q + b * sqb + h * sqh + rows[:, None] * sqn + d[None, :] * sqd
+    q = tl.load(q_ptrs, mask=rows[:, None] < N, other=0.0)
     if UPCAST_DOT:
         q = q.to(tl.float32)
     kt_ptrs = K + b * skb + h * skh + d[:, None] * skd  # K transposed: (D, keys)
@@ -249,134 +226,121 @@ def attn_fwd_kernel(
     if CAUSAL:
         # Off the diagonal: every key is visible, no mask. On it: the causal mask.
         diag = start_m * BLOCK_M
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, skn, svn, 0, diag, rows, N, qk_scale,
-                                        BLOCK_N, False, CAUSAL, NEGATIVE_SCALE)
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, skn, svn, diag,
-                                        tl.minimum(diag + BLOCK_M, N), rows, N, qk_scale, BLOCK_N, True, CAUSAL,
-                                        NEGATIVE_SCALE)
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, kt_ptrs, v_ptrs, skn, svn, 0, diag, rows, N, qk_scale,
+            BLOCK_N, False, CAUSAL, NEGATIVE_SCALE,
+        )
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, kt_ptrs, v_ptrs, skn, svn, diag,
+            tl.minimum(diag + BLOCK_M, N), rows, N, qk_scale,
+            BLOCK_N, True, CAUSAL, NEGATIVE_SCALE,
+        )
     else:
         full = (N // BLOCK_N) * BLOCK_N
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, skn, svn, 0, full, rows, N, qk_scale,
-                                        BLOCK_N, False, CAUSAL, NEGATIVE_SCALE)
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, skn, svn, full, N, rows, N, qk_scale,
-                                        BLOCK_N, True, CAUSAL, NEGATIVE_SCALE)
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, kt_ptrs, v_ptrs, skn, svn, 0, full, rows, N, qk_scale,
+            BLOCK_N, False, CAUSAL, NEGATIVE_SCALE,
+        )
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, kt_ptrs, v_ptrs, skn, svn, full, N, rows, N, qk_scale,
+            BLOCK_N, True, CAUSAL, NEGATIVE_SCALE,
+        )
     row_ok = rows < N
     tl.store(LSE + bh * N + rows, m_i + tl.math.log2(l_i), mask=row_ok)
     o = acc / l_i[:, None]
-    tl.store(O + b * sob + h * soh + rows[:, None] * son + d[None, :] * sod, o.to(O.dtype.element_ty),
-             mask=row_ok[:, None])
+    o_ptrs = O + b * sob + h * soh + rows[:, None] * son + d[None, :] * sod
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None])
 
 
 # %%
-# The causal split requires ``BLOCK_M`` to be a multiple of ``BLOCK_N``, so that the diagonal of a
-# query block covers whole key blocks.
+# The causal split requires ``BLOCK_M`` to be a multiple of ``BLOCK_N``, so that the
+# diagonal of a query block covers whole key blocks.
 #
 # Tuning once, not at every build
 # -------------------------------
-# The best tile sizes depend on the GPU, the head dimension, the masking and the sequence length.
-# ``triton.autotune`` would find them by timing every candidate the first time it meets a case,
-# which costs each build minutes of compiling and timing, and costs each call of an autotuned kernel
-# some host time to look its case up. This lesson measures instead once, offline:
-# ``python tools/tune.py attention`` (in this repository) times every candidate below on a GPU,
-# for each head dimension, masking and sequence length of the benchmark, and writes the winners
-# into the table ``TUNED_CONFIGS`` below (a line per kernel, head dimension and masking, with a
-# configuration per sequence-length bucket), with the GPU and versions that produced them. On a GPU of
-# that architecture the launchers take the configuration from the table (a sequence length between
-# two measured ones takes its power-of-two bucket, one outside them the nearest bucket). Anywhere
-# else the autotuner picks from the same candidates, keyed on the head dimension, the causal flag
-# and the sequence length rounded up to a power of two, so that it tunes once per bucket rather
-# than once per length.
+# The best tile sizes depend on the GPU, the head dimension, the masking and the
+# sequence length. ``triton.autotune`` would find them by timing every candidate the
+# first time it meets a case, which costs each build minutes of compiling and timing,
+# and costs each call of an autotuned kernel some host time to look its case up. This
+# lesson measures instead once, offline: ``python tools/tune.py attention`` (in this
+# repository) times every candidate below on a GPU, for each head dimension, masking
+# and sequence length of the benchmark, and writes the winners, with the GPU and
+# versions that produced them, into the table "attention-tiles" of
+# ``tuned_tables.json`` beside the lessons: a row per kernel, head dimension, masking
+# and sequence-length bucket. On a GPU of that architecture the launchers take the
+# configuration from the table (a sequence length between two measured ones takes its
+# power-of-two bucket, one outside them the nearest bucket). Anywhere else the
+# autotuner picks from the same candidates, keyed on the head dimension, the causal
+# flag and the sequence length rounded up to a power of two, so that it tunes once per
+# bucket rather than once per length.
 #
-# The sweep compares tiles by the kernel's own time on the GPU, read from the CUDA profiler, not by
-# the time of a whole call: every tile of one kernel costs the host the same, and at short lengths
-# the host's time per call moves more from run to run than the kernels differ.
+# The sweep compares tiles by the kernel's own time on the GPU, read from the CUDA
+# profiler, not by the time of a whole call: every tile of one kernel costs the host
+# the same, and at short lengths the host's time per call moves more from run to run
+# than the kernels differ.
 #
-# Candidates that cannot work are never compiled: tiles that break the causal split, and pipelines
-# whose buffered key and value tiles (``num_stages x 2 x BLOCK_N x D`` elements) would not fit in
-# the SM's shared memory. The best two or three configurations are often within a few percent of
-# each other, about the GPU's run-to-run noise, and every distinct configuration a build runs is
-# one more compilation. So the sweep treats configurations within 3% of a length's fastest as tied,
-# and among tied ones keeps as few distinct configurations per kernel, head dimension and masking
-# as it can ("Which tiles ran", below, counts them). Under the interpreter there is nothing to
-# tune, and one configuration runs.
+# Candidates that cannot work are never compiled: tiles that break the causal split,
+# and pipelines whose buffered key and value tiles (``num_stages x 2 x BLOCK_N x D``
+# elements) would not fit in the SM's shared memory. The best two or three
+# configurations are often within a few percent of each other, about the GPU's
+# run-to-run noise, and every distinct configuration a build runs is one more
+# compilation. So the sweep treats configurations within 3% of a length's fastest as
+# tied, and among tied ones keeps as few distinct configurations per kernel, head
+# dimension and masking as it can ("Which tiles ran", below, counts them). Under the
+# interpreter there is nothing to tune, and one configuration runs.
 #
-# One table holds the tiles of all four kernels of FlashAttention-2, since one sweep measures them
-# together: this lesson's forward (``fwd``) and the three kernels of the next lesson's backward.
+# One table holds the tiles of all four kernels of FlashAttention-2, since one sweep
+# measures them together: this lesson's forward (``fwd``) and the three kernels of the
+# next lesson's backward.
 
 
 def _configs(shapes):
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in shapes]
+    config = triton.Config
+    return [config(dict(BLOCK_M=m, BLOCK_N=n), num_warps=w, num_stages=s)
+            for m, n, w, s in shapes]
 
 
-SHARED_MEMORY_BYTES = 227 * 1024  # per block on Hopper; smaller GPUs fail to compile the rest
+SHARED_MEMORY_BYTES = 227 * 1024  # per block on Hopper; smaller GPUs fail the rest
 
 
 def _fits(config, D):
-    return config.num_stages * 2 * config.kwargs["BLOCK_N"] * D * 2 <= SHARED_MEMORY_BYTES
+    stages, block_n = config.num_stages, config.kwargs["BLOCK_N"]
+    return stages * 2 * block_n * D * 2 <= SHARED_MEMORY_BYTES
 
 
 def _prune_fwd(configs, named_args, **kwargs):
     D = kwargs.get("D", named_args.get("D"))
-    keep = [c for c in configs if c.kwargs["BLOCK_M"] % c.kwargs["BLOCK_N"] == 0 and _fits(c, D)]
+    keep = [c for c in configs
+            if c.kwargs["BLOCK_M"] % c.kwargs["BLOCK_N"] == 0 and _fits(c, D)]
     return keep or configs[-1:]
 
 
-# The candidates, (BLOCK_M, BLOCK_N, warps, stages): those that won somewhere on an H100 in wider sweeps.
+# The candidates that the sweep compares: (BLOCK_M, BLOCK_N, warps, stages).
 FWD_SHAPES = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)]
-# Under the interpreter: one configuration per kernel (the next lesson's too), obeying the same rules.
-INTERPRETER_CONFIGS = {"fwd": (64, 32, 4, 1), "dkdv": (32, 64, 4, 1), "dkdv-atomic": (32, 64, 4, 1),
-                       "dq": (32, 64, 4, 1)}
+# Under the interpreter: one configuration per kernel (the next lesson's too), obeying
+# the same rules.
+INTERPRETER_CONFIGS = {"fwd": (64, 32, 4, 1), "dkdv": (32, 64, 4, 1),
+                       "dkdv-atomic": (32, 64, 4, 1), "dq": (32, 64, 4, 1)}
 
-
-def by_bucket(rows):
-    """{(*case, N): value} from {case: [its value at each of TUNED_ON's buckets, in order]}: the tables are
-    written one line per case and looked up per sequence-length bucket."""
-    buckets = TUNED_ON["buckets"]
-    for case, values in rows.items():
-        if len(values) != len(buckets):
-            raise ValueError(f"table row {case} has {len(values)} values for the {len(buckets)} buckets {buckets}")
-    return {(*case, N): value for case, values in rows.items() for N, value in zip(buckets, values)}
-
-
-# BEGIN tools/tune.py attention: written by the sweep; run it again rather than edit these lines.
-TUNED_ON = {
-    'buckets': (1024, 2048, 4096, 8192, 16384),
-    'capability': (9, 0),
-    'date': '2026-11-23',
-    'gpu': 'NVIDIA H100 80GB HBM3',
-    'torch': '2.11.0+cu130',
-    'triton': '3.6.0',
-}
-TUNED_CONFIGS = by_bucket({
-    ('dkdv', 64, False): [(64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3)],
-    ('dkdv', 64, True): [(64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3)],
-    ('dkdv', 128, False): [(64, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 2)],
-    ('dkdv', 128, True): [(64, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 2)],
-    ('dkdv-atomic', 64, False): [(64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3)],
-    ('dkdv-atomic', 64, True): [(64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3)],
-    ('dkdv-atomic', 128, False): [(64, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 3)],
-    ('dkdv-atomic', 128, True): [(64, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 3)],
-    ('dq', 64, False): [(64, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 3)],
-    ('dq', 64, True): [(64, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 2)],
-    ('dq', 128, False): [(64, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 3)],
-    ('dq', 128, True): [(32, 64, 4, 4), (64, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 3), (64, 128, 8, 3)],
-    ('fwd', 64, False): [(128, 64, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 4), (128, 64, 8, 3)],
-    ('fwd', 64, True): [(64, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 4), (128, 64, 8, 4), (128, 64, 8, 4)],
-    ('fwd', 128, False): [(64, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 3)],
-    ('fwd', 128, True): [(64, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 64, 8, 4)],
-})
-# END tools/tune.py attention
+# The table: where it was measured (TUNED_ON, with its sequence-length buckets), and
+# each case's tile, {(kernel, head dim, causal, N bucket): (BLOCK_M, BLOCK_N, warps,
+# stages)}.
+_ROWS = kit.tuned_table("attention-tiles")["rows"]
+TUNED_ON = dict(kit.tuned_table("attention-tiles")["measured_on"])
+TUNED_ON.update(capability=tuple(TUNED_ON["capability"]),
+                buckets=tuple(sorted({row["N"] for row in _ROWS})))
+TUNED_CONFIGS = {(r["kernel"], r["D"], r["causal"], r["N"]): tuple(r["tile"])
+                 for r in _ROWS}
 
 
 def host_cdiv(a, b):
-    """ceil(a / b) for the launchers. triton.cdiv gives the same, but is built to run inside kernels too, and
-    from the host every call first unwraps its arguments: microseconds, which count where the host paces the
-    GPU (lesson 12, "Host time and GPU time at the smallest size")."""
+    """ceil(a / b): triton.cdiv without its unwrapping of arguments, microseconds that
+    count where the host paces the GPU (lesson 12 measures the host's time)."""
     return -(-a // b)
 
 
 def host_next_power_of_2(n):
-    """The smallest power of 2 >= n, for n >= 1: triton.next_power_of_2 without its cost on the host."""
+    """triton.next_power_of_2(n), n >= 1, without its cost on the host."""
     return 1 << (n - 1).bit_length()
 
 
@@ -386,75 +350,82 @@ def _capability(device):
 
 
 def tuned_case(q, causal):
-    """(D, causal, N bucket): this case's key in the tables that tools/tune.py measured, or None where
-    they do not apply (no GPU, another GPU architecture, a dtype other than fp16 and bf16)."""
-    if (not ON_GPU or not TUNED_ON or q.dtype not in (torch.float16, torch.bfloat16)
-            or _capability(q.device) != TUNED_ON["capability"]):
+    """(D, causal, N bucket): this case's key in the tables that tools/tune.py
+    measured, or None where they do not apply (no GPU, another GPU architecture, a
+    dtype other than fp16 and bf16)."""
+    if not (kit.ON_GPU and TUNED_ON and q.dtype in (torch.float16, torch.bfloat16)):
         return None
-    buckets = TUNED_ON["buckets"]
-    return q.shape[3], causal, min(max(host_next_power_of_2(q.shape[2]), buckets[0]), buckets[-1])
+    if _capability(q.device) != TUNED_ON["capability"]:
+        return None
+    low, high = TUNED_ON["buckets"][0], TUNED_ON["buckets"][-1]
+    return q.shape[3], causal, min(max(host_next_power_of_2(q.shape[2]), low), high)
 
 
 # %%
-# A note on the interpreter (of Triton 3.9, which the pinned requirements install; a GPU build of
-# this page may use another Triton, printed in the Benchmark section below): it stores bf16
-# values as 16-bit integers and multiplies those integers inside ``tl.dot``. The kernels take an
-# ``UPCAST_DOT`` flag that turns the first operands into fp32 (and the helpers follow the dtype
-# they see); the launcher sets it only for bf16 under the interpreter, so compiled GPU code never
-# pays for it.
+# A note on the interpreter (of Triton 3.9, which the pinned requirements install; a
+# GPU build of this page may use another Triton, printed in the Benchmark section
+# below): it stores bf16 values as 16-bit integers and multiplies those integers inside
+# ``tl.dot``. The kernels take an ``UPCAST_DOT`` flag that turns the first operands into
+# fp32 (and the helpers follow the dtype they see); the launcher sets it only for bf16
+# under the interpreter, so compiled GPU code never pays for it.
 #
 # The launcher
 # ------------
-# The kernel runs with the configuration that the table above gives for its case, or, where no
-# measurement applies, the autotuner's pick; under the interpreter, with its one configuration.
-# ``forward`` launches it and returns :math:`O` and the row statistic :math:`\mathrm{LSE}_2` that the
-# backward needs; the next lesson and the Hopper lessons reuse it. ``attention`` checks its inputs
-# first: it is what a user calls for inference. Its autograd function has no backward yet, and says
-# so when asked for gradients; the next lesson's ``attention`` has one.
+# The kernel runs with the configuration that the table gives for its case, or, where
+# no measurement applies, the autotuner's pick; under the interpreter, with its one
+# configuration. ``forward`` launches it and returns :math:`O` and the row statistic
+# :math:`\mathrm{LSE}_2` that the backward needs; the next lesson and the Hopper lessons
+# reuse it. ``attention`` checks its inputs first: it is what a user calls for
+# inference. Its autograd function has no backward yet, and says so when asked for
+# gradients; the next lesson's ``attention`` has one.
 #
-# At short lengths the host's work per call matters as much as the GPU's (lesson 12's section "Host
-# time and GPU time at the smallest size" measures both). One large piece is Triton's JIT dispatch:
-# on every call it inspects each of some thirty arguments, to find what the compiled kernel was
-# specialized on (dtypes, integers equal to 1 or divisible by 16, pointers aligned to 16 bytes), and
-# looks the kernel up by that. Every one of those answers, and every argument besides the tensors
-# and the scale, follows from the inputs' shapes, strides, dtypes and alignment. So the first call
-# with a given layout goes through the JIT and keeps a *launch plan*: the compiled kernel, its grid
-# and those arguments. Later calls with the same layout pass only their tensors and scale to the
-# compiled kernel's own launcher. (Only launches with a known configuration keep plans: a case that
-# the table does not cover, fp8 among them, goes through the autotuner and the JIT on every call.)
-
+# At short lengths the host's work per call matters as much as the GPU's (lesson 12's
+# section "Host time and GPU time at the smallest size" measures both). One large piece
+# is Triton's JIT dispatch: on every call it inspects each of some thirty arguments, to
+# find what the compiled kernel was specialized on (dtypes, integers equal to 1 or
+# divisible by 16, pointers aligned to 16 bytes), and looks the kernel up by that.
+# Every one of those answers, and every argument besides the tensors and the scale,
+# follows from the inputs' shapes, strides, dtypes and alignment. So the first call
+# with a given layout goes through the JIT and keeps a *launch plan*: the compiled
+# kernel, its grid and those arguments. Later calls with the same layout pass only
+# their tensors and scale to the compiled kernel's own launcher. (Only launches with a
+# known configuration keep plans: a case that the table does not cover, fp8 among
+# them, goes through the autotuner and the JIT on every call.)
 
 
 def autotuned(kernel, shapes, prune, key, **options):
-    """kernel under triton.autotune over shapes, for a GPU that the table does not cover; None under the
-    interpreter, which runs one configuration."""
-    if not ON_GPU:
+    """kernel under triton.autotune over shapes, for a GPU that the table does not
+    cover; None under the interpreter, which runs one configuration."""
+    if not kit.ON_GPU:
         return None
-    return triton.autotune(_configs(shapes), key=key, prune_configs_by={"early_config_prune": prune},
-                           **options)(kernel)
+    pruning = {"early_config_prune": prune}
+    tune = triton.autotune(_configs(shapes), key, prune_configs_by=pruning, **options)
+    return tune(kernel)
 
 
-FWD_TUNER = autotuned(attn_fwd_kernel, FWD_SHAPES, _prune_fwd, ["D", "CAUSAL", "N_BUCKET"])
+FWD_KEY = ["D", "CAUSAL", "N_BUCKET"]
+FWD_TUNER = autotuned(attn_fwd_kernel, FWD_SHAPES, _prune_fwd, FWD_KEY)
 
 
 PLANS = {}  # plan key -> replay(*fresh arguments)
 
 
 def plan_key(*tensors):
-    """The layout part of a launch plan's key on a GPU, None under the interpreter: the current GPU, and each
-    tensor's shape, strides, dtype and 16-byte alignment."""
-    if not ON_GPU:
+    """The layout part of a launch plan's key on a GPU, None under the interpreter:
+    the current GPU, and each tensor's shape, strides, dtype and 16-byte alignment."""
+    if not kit.ON_GPU:
         return None
-    return (torch.cuda.current_device(), *((t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) for t in tensors))
+    layouts = ((t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) for t in tensors)
+    return (torch.cuda.current_device(), *layouts)
 
 
 def launch_planned(key, kernel, grid, fresh, args, constexprs, **options):
-    """kernel[grid](*args, **constexprs, **options): through Triton's JIT the first time this launch is seen,
-    then through the plan it leaves. The call site promises that key (plan_key of the inputs) fixes the
-    arguments after the first fresh; the kernel, the grid, the constexprs and the options complete the key.
-    Lesson 05's launch() does the rest, and while its compile_ahead runs, only compiles."""
-    if key is None or V1.compiling_ahead():
-        V1.launch(kernel, grid, *args, **constexprs, **options)
+    """kernel[grid](*args, **constexprs, **options): through Triton's JIT the first
+    time, then through the plan it leaves. The caller promises that key (plan_key of
+    the inputs) fixes the arguments after the first fresh; kernel, grid, constexprs
+    and options complete the key. Through kit.launch while kit.compile_ahead runs."""
+    if key is None or kit.compiling_ahead():
+        kit.launch(kernel, grid, *args, **constexprs, **options)
         return
     key = (kernel, key, grid, *constexprs.values(), *options.values())
     replay = PLANS.get(key)
@@ -462,51 +433,61 @@ def launch_planned(key, kernel, grid, fresh, args, constexprs, **options):
         replay(*args[:fresh])
         return
     compiled = kernel[grid](*args, **constexprs, **options)
-    rest = (*args[fresh:], *(constexprs[name] for name in kernel.arg_names[len(args):]))
+    later = kernel.arg_names[len(args):]
+    rest = (*args[fresh:], *(constexprs[name] for name in later))
     run = compiled[(*grid, 1, 1)[:3]]
-    if len(PLANS) >= 1024:  # a caller whose lengths keep changing would otherwise grow it without end
+    if len(PLANS) >= 1024:  # a caller whose lengths keep changing would grow it forever
         PLANS.clear()
     PLANS[key] = lambda *values: run(*values, *rest)
 
 
 def _launch(kernel, tuner, name, key, case, grid, fresh, *args, **meta):
-    """Run kernel with the configuration measured for this case, else (a GPU the table does not cover) let
-    its tuner pick one; name is its name in the table, grid(BLOCK_M, BLOCK_N) the launch grid, key and fresh as
-    for launch_planned."""
-    if not ON_GPU:
+    """Run kernel with the configuration measured for this case (name: the kernel's
+    in the table), else with its tuner's pick; grid(BLOCK_M, BLOCK_N) gives the grid,
+    key and fresh are launch_planned's."""
+    if not kit.ON_GPU:
         config = INTERPRETER_CONFIGS[name]
     else:
         config = TUNED_CONFIGS.get((name, *case)) if case else None
     if config is None:
-        V1.launch(tuner, lambda m: grid(m["BLOCK_M"], m["BLOCK_N"]), *args, **meta)
+        kit.launch(tuner, lambda m: grid(m["BLOCK_M"], m["BLOCK_N"]), *args, **meta)
     else:
         block_m, block_n, warps, stages = config
-        launch_planned(key, kernel, grid(block_m, block_n), fresh, args,
-                       dict(meta, BLOCK_M=block_m, BLOCK_N=block_n), num_warps=warps, num_stages=stages)
+        launch_planned(
+            key, kernel, grid(block_m, block_n), fresh, args,
+            dict(meta, BLOCK_M=block_m, BLOCK_N=block_n),
+            num_warps=warps, num_stages=stages,
+        )
 
 
 def keys_contiguous(v, dtype=None):
-    """The same (B, H, N, D) values, stored with the sequence axis contiguous, cast to dtype on the way."""
-    return v.transpose(2, 3).to(dtype or v.dtype, memory_format=torch.contiguous_format).transpose(2, 3)
+    """v's values, cast to dtype, stored with the sequence axis contiguous."""
+    v = v.transpose(2, 3)
+    return v.to(dtype or v.dtype, memory_format=torch.contiguous_format).transpose(2, 3)
 
 
 def forward(q, k, v, causal, sm_scale):
-    """O and LSE_2 (base-2 log-sum-exp of each row's scores, in fp32) from the portable forward kernel."""
+    """O and LSE_2 (base-2 log-sum-exp of each row's scores, in fp32) from the
+    portable forward kernel."""
     B, H, N, D = q.shape
-    o = torch.empty((B, H, N, D), dtype=torch.float16 if q.dtype == torch.float8_e5m2 else q.dtype, device=q.device)
+    fp8 = q.dtype == torch.float8_e5m2
+    o = torch.empty(q.shape, dtype=torch.float16 if fp8 else q.dtype, device=q.device)
     lse = torch.empty((B * H, N), dtype=torch.float32, device=q.device)
-    if q.dtype == torch.float8_e5m2 and v.stride(2) != 1 and N > 1:
+    if fp8 and v.stride(2) != 1 and N > 1:
         v = keys_contiguous(v)  # lesson 11, "fp8 on Hopper: the layout of V", says why
-    _launch(attn_fwd_kernel, FWD_TUNER, "fwd", plan_key(q, k, v), tuned_case(q, causal),
-            lambda bm, bn: (host_cdiv(N, bm), B * H), 6, q, k, v, o, lse, sm_scale * LOG2E, H, N,
-            host_next_power_of_2(N), *q.stride(), *k.stride(), *v.stride(), *o.stride(), D=D, CAUSAL=causal,
-            UPCAST_DOT=_upcast(q), NEGATIVE_SCALE=sm_scale < 0)
+    _launch(
+        attn_fwd_kernel, FWD_TUNER, "fwd", plan_key(q, k, v), tuned_case(q, causal),
+        lambda bm, bn: (host_cdiv(N, bm), B * H), 6,
+        q, k, v, o, lse, sm_scale * LOG2E, H, N, host_next_power_of_2(N),
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+        D=D, CAUSAL=causal, UPCAST_DOT=_upcast(q), NEGATIVE_SCALE=sm_scale < 0,
+    )
     return o, lse
 
 
 def _upcast(q):
-    """Whether tl.dot needs fp32 operands: bf16 under the interpreter (see the note above)."""
-    return (not ON_GPU) and q.dtype == torch.bfloat16
+    """Whether tl.dot needs fp32 operands: bf16 under the interpreter (see above)."""
+    return (not kit.ON_GPU) and q.dtype == torch.bfloat16
 
 
 class _ForwardOnly(torch.autograd.Function):
@@ -516,199 +497,223 @@ class _ForwardOnly(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        raise NotImplementedError("this lesson's attention has no backward: the next lesson's attention "
-                                  "(07-fused-attention-v2-backward.py) adds it")
+        raise NotImplementedError("this lesson's attention has no backward: lesson "
+                                  "07's (07-fused-attention-v2-backward.py) has one")
 
 
 def attention(q, k, v, causal, sm_scale):
-    """FlashAttention-2's forward: softmax(q k^T * sm_scale) v over (batch, heads, sequence, head_dim) tensors."""
-    check_inputs(q, k, v, causal, sm_scale, fp8=True)
-    return _ForwardOnly.apply(*resolved(q, k, v), causal, float(sm_scale))
+    """FlashAttention-2's forward: softmax(q k^T * sm_scale) v over (batch, heads,
+    sequence, head_dim) tensors."""
+    kit.check_attention_inputs(q, k, v, causal, sm_scale, fp8=True)
+    return _ForwardOnly.apply(*kit.resolved(q, k, v), causal, float(sm_scale))
 
 
 # %%
 # Correctness
 # -----------
-# Right after the kernel, before any timing: the forward against float64 PyTorch on fresh random
-# inputs, causal and not, at a sequence length one past a block boundary, and with ``q`` made by
-# transposing a (batch, sequence, heads, dim) tensor, so that its strides are not the contiguous
-# ones. The check is lesson 05's ``check_against_float64``, which fails on NaN or infinity anywhere
-# and names what is off.
+# Right after the kernel, before any timing: the forward against float64 PyTorch on
+# fresh random inputs, causal and not, at a sequence length one past a block boundary,
+# and with ``q`` made by transposing a (batch, sequence, heads, dim) tensor, so that its
+# strides are not the contiguous ones. The check is ``kit.check_against_float64``, which
+# fails on NaN or infinity anywhere and names what is off. On a GPU, the kernels it
+# launches are compiled first, on all CPU cores (``kit.compile_ahead``).
+
+
+def strided_cases(B, H, N, D, keys=(False, True)):
+    """{key: (q, k, v)}: fresh fp16 inputs for each key, q a transposed view."""
+    def make(*shape):
+        return torch.randn(shape, device=DEVICE, dtype=torch.float16)
+
+    return {key: (make(B, N, H, D).transpose(1, 2), make(B, H, N, D), make(B, H, N, D))
+            for key in keys}
 
 
 if __name__ == "__main__":
     torch.manual_seed(0)
-    B, H, N, D = 2, 3, 129 if ON_GPU else 65, 64
-    cases = {causal: (torch.randn(B, N, H, D, device=DEVICE, dtype=torch.float16).transpose(1, 2),
-                      *(torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16) for _ in range(2)))
-             for causal in (False, True)}  # q strided
-    # The kernels the checks launch, compiled first on all CPU cores (lesson 05's compile_ahead).
-    V1.compile_ahead(lambda: [attention(*qkv, causal, D ** -0.5) for causal, qkv in cases.items()])
+    B, H, N, D = 2, 3, 129 if kit.ON_GPU else 65, 64
+    cases = strided_cases(B, H, N, D)
+    kit.compile_ahead(
+        lambda: [attention(*qkv, causal, D**-0.5) for causal, qkv in cases.items()]
+    )
     for causal, (q, k, v) in cases.items():
-        errors = check_against_float64(attention, q, k, v, causal, D ** -0.5,
-                                       f"06-fused-attention-v2-forward, causal={causal}", backward=False)
-        print(f"causal={causal!s:5}, N={N}: " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+        label = f"06-fused-attention-v2-forward, causal={causal}"
+        errors = kit.check_against_float64(
+            attention, q, k, v, causal, D**-0.5, label, backward=False
+        )
+        shown = ", ".join(f"{n} {e:.1e}" for n, e in errors.items())
+        print(f"causal={causal!s:5}, N={N}: {shown}")
 
 # %%
 # Mistakes learners make, and the test that catches each
 # ------------------------------------------------------
-# Versions of this kernel written from scratch, and even the published tutorial, share a handful
-# of bugs. Each is caught by a test in this project's suite (``tests/test_attention.py``):
+# Versions of this kernel written from scratch, and even the published tutorial, share
+# a handful of bugs. Each is caught by a test in this project's suite
+# (``tests/test_attention.py``):
 #
-# * **Q.shape(3).** ``shape`` is a tuple, not a function: ``Q.shape[3]``. The launcher fails before
-#   any kernel runs; caught by any test that runs the code at all.
-# * **The row statistics allocated on the CPU** (the upstream tutorial's ``M``, this lesson's
-#   LSE). ``torch.empty(...)`` without ``device=`` hands a host pointer to a GPU kernel: a crash
-#   or silent garbage. Here every buffer is created with ``device=q.device``, and the input checks
-#   refuse tensors on different devices.
-# * **Sequence lengths that must be a multiple of 128.** Unmasked loads read past the end of the
-#   tensors. Here the ragged edge is masked; the tests use :math:`N = 1, 77, 300` and one past a
-#   block boundary.
-# * **Contiguity assumed.** Computing offsets as ``row * D + col`` breaks on a transposed view.
-#   The kernel takes every stride, and the tests feed transposed inputs.
-# * **A scale taken to be positive.** The unmasked loop finds each row's largest scaled score
-#   without scaling every score first; with a negative ``sm_scale`` the largest scaled score is the
-#   smallest raw one (``NEGATIVE_SCALE``). The tests run a negative scale.
+# * **Q.shape(3).** ``shape`` is a tuple, not a function: ``Q.shape[3]``. The launcher
+#   fails before any kernel runs; caught by any test that runs the code at all.
+# * **The row statistics allocated on the CPU** (the upstream tutorial's ``M``, this
+#   lesson's LSE). ``torch.empty(...)`` without ``device=`` hands a host pointer to a
+#   GPU kernel: a crash or silent garbage. Here every buffer is created with
+#   ``device=q.device``, and the input checks refuse tensors on different devices.
+# * **Sequence lengths that must be a multiple of 128.** Unmasked loads read past the
+#   end of the tensors. Here the ragged edge is masked; the tests use
+#   :math:`N = 1, 77, 300` and one past a block boundary.
+# * **Contiguity assumed.** Computing offsets as ``row * D + col`` breaks on a
+#   transposed view. The kernel takes every stride, and the tests feed transposed
+#   inputs.
+# * **A scale taken to be positive.** The unmasked loop finds each row's largest scaled
+#   score without scaling every score first; with a negative ``sm_scale`` the largest
+#   scaled score is the smallest raw one (``NEGATIVE_SCALE``). The tests run a
+#   negative scale.
 
 # %%
 # Benchmark
 # ---------
-# TFLOP/s of the forward, causal and not, on a GPU at :math:`D = 64` (:math:`B = 4, H = 32`) and
-# :math:`D = 128` (:math:`B = 4, H = 16`), under the interpreter at :math:`B = 1` and a head or two
-# of two short sequences; against PyTorch SDPA's cuDNN and flash backends (the math backend under
-# the interpreter) and the v1 kernel of the previous lesson, with lesson 05's harness. The ceiling
-# is the matrix-multiply rate measured in this run.
+# TFLOP/s of the forward, causal and not, on a GPU at :math:`D = 64`
+# (:math:`B = 4, H = 32`) and :math:`D = 128` (:math:`B = 4, H = 16`), under the
+# interpreter at :math:`B = 1` and a head or two of two short sequences; against
+# PyTorch SDPA's cuDNN and flash backends (the math backend under the interpreter) and
+# the v1 kernel of the previous lesson. The ceiling is the matrix-multiply rate
+# measured in this run.
+#
+# How we time: as in lesson 05, each provider's GPU time (its call replayed from a CUDA
+# graph after an L2 flush) and its back-to-back time (many calls in a row, as a loop
+# sees them), in passes, shown as a range where they spread; the
+# :doc:`performance page <../performance>` gives the method ("How we time"). Under the
+# interpreter the numbers only illustrate.
 
-PEERS = ("SDPA cuDNN", "SDPA flash") if ON_GPU else ("SDPA math",)
+PEERS = ("SDPA cuDNN", "SDPA flash") if kit.ON_GPU else ("SDPA math",)
 OURS = "Triton v2 (this lesson)"
 V1_NAME = "Triton v1 (lesson 05)"
-CASES, SIZES = ([(4, 32, 64), (4, 16, 128)], [1024, 2048, 4096, 8192, 16384]) if ON_GPU else (
-    [(1, 2, 64), (1, 1, 128)], [64, 128])
+if kit.ON_GPU:
+    CASES, SIZES = [(4, 32, 64), (4, 16, 128)], [1024, 2048, 4096, 8192, 16384]
+else:
+    CASES, SIZES = [(1, 2, 64), (1, 1, 128)], [64, 128]
+INDEX = ["D", "causal", "mode", "N"]
 
 
 def providers_for(causal, D, ours=None):
-    """What this lesson times: its own attention (or `ours`, lesson 07's), the SDPA backends, and v1."""
-    scale, ours = D ** -0.5, ours or attention
-    providers = {OURS: lambda q, k, v: ours(q, k, v, causal, scale)}
-    providers.update(sdpa_providers(causal, scale, PEERS))
-    providers[V1_NAME] = lambda q, k, v: V1.attention(q, k, v, causal, scale)
-    return providers
+    """What this lesson times: its own attention (or `ours`, lesson 07's), the SDPA
+    backends, and v1."""
+    scale, ours = D**-0.5, ours or attention
+    return {
+        OURS: functools.partial(ours, causal=causal, sm_scale=scale),
+        **kit.sdpa_providers(causal, scale, PEERS),
+        V1_NAME: functools.partial(V1.attention, causal=causal, sm_scale=scale),
+    }
 
-
-def against_peers(table, peak, ours, peers):
-    """{(head dim, causal, pass): a line computed from table (TFLOP/s)}: ours against the fastest of peers, and
-    against v1 where it ran."""
-    lines = {}
-    for (D, causal, mode), part in table.groupby(level=["D", "causal", "mode"], sort=False):
-        ratio = part[ours] / part[peers].max(axis=1)
-        line = (f"D={D:3d} {'causal    ' if causal else 'non-causal'} {mode}: v2 is {ratio.min():.2f}x to "
-                f"{ratio.max():.2f}x the fastest SDPA backend, up to {part[ours].max() / peak:.0%} of the matmul rate")
-        if V1_NAME in part:
-            v1 = part[ours] / part[V1_NAME]
-            line += f"; {v1.min():.1f}x to {v1.max():.1f}x v1"
-        lines[D, causal, mode] = line
-    return lines
-
-
-# %%
-# What produced the numbers below (the plots come from the same run):
-
-if __name__ == "__main__":
-    print(describe_platform())
-
-# %%
 
 if __name__ == "__main__":
     import matplotlib.pyplot as plt
     import pandas as pd
 
-    peak = matmul_tflops()
-    print(f"{V1.CEILING_NAME}, measured now: {peak:.3g} TFLOP/s")
-    results = pd.DataFrame(run_benchmark(CASES, SIZES, providers_for, ("fwd",)))
-    table = results.pivot_table(index=["D", "causal", "mode", "N"], columns="provider", values="value", sort=False)
-    plot_mode(table, "fwd", peak, "Forward pass")
+    print(kit.describe_platform())
+    peak = kit.matmul_tflops()
+    print(f"Ceiling, {kit.MATMUL_CEILING}, measured now: {peak:.3g} TFLOP/s")
+    results = pd.DataFrame(
+        kit.attention_benchmark(CASES, SIZES, providers_for, ("fwd",))
+    )
+    table, b2b = kit.rate_tables(results, INDEX)
+    kit.plot_style()
+    kit.plot_attention(table, "fwd", peak, "Forward pass, by GPU time",
+                       ours=[OURS, V1_NAME])
     plt.show()
 
 # %%
-# The table: every provider's speed in TFLOP/s, by head dimension, masking and sequence length (the
-# plot above draws the same numbers).
+# The table: every provider's speed in TFLOP/s by GPU time, by head dimension, masking
+# and sequence length (the plot above draws the same numbers).
 
-results_table(results) if __name__ == "__main__" else None
+kit.rates_table(results, INDEX, "TFLOP/s") if __name__ == "__main__" else None
 
 # %%
 # Reading the numbers
 # -------------------
-# Computed from the table above, in this run: v2 against the strongest PyTorch backend (cuDNN where
-# it runs) and against v1, and how far the repeated timings spread, the yardstick for which
+# Computed from the table above, in this run: v2 against the strongest PyTorch backend
+# (cuDNN where it runs) and against v1, by GPU time, and back to back where that tells
+# another story; then how far the repeated timings spread, the yardstick for which
 # differences mean anything.
 
 if __name__ == "__main__":
     peers = [c for c in PEERS if c in table]
-    print("\n".join(against_peers(table, peak, OURS, peers).values()))
-    if ROUNDS > 1:
-        print(spread_summary(results))
-    else:
-        print("These are interpreter timings: they measure NumPy on the CPU, not GPU kernels.")
-    save_results("06-fused-attention-v2-forward", [{
-        "name": "attention v2 fwd", "unit": "TFLOP/s", "ceiling_name": V1.CEILING_NAME, "ceiling": peak,
-        "ours": [OURS], "peers": peers, "rows": results.drop(columns="spread").to_dict("records")}])
+    lines = kit.peer_lines(table, b2b, peak, OURS, peers, versus=V1_NAME, name="v2")
+    print("\n".join(lines.values()))
+    interpreted = "These are interpreter timings: they measure NumPy on the CPU."
+    print(kit.spread_summary(results) if kit.ON_GPU else interpreted)
+    kit.save_results("06-fused-attention-v2-forward", [{
+        "name": "attention v2 fwd", "unit": "TFLOP/s",
+        "ceiling_name": kit.MATMUL_CEILING, "ceiling": peak, "ours": [OURS],
+        "peers": peers, "rows": results.to_dict("records"),
+    }])
 
 # %%
 # Which tiles ran
 # ---------------
-# The tile shapes behind the benchmark at :math:`D = 128` (``BLOCK_M x BLOCK_N``): from the table
-# where it covers this GPU's architecture, otherwise the autotuner's picks in this run.
+# The tile shapes behind the benchmark at :math:`D = 128` (``BLOCK_M x BLOCK_N``): from
+# the table where it covers this GPU's architecture, otherwise the autotuner's picks in
+# this run.
 
 
 def config_text(block_m, block_n, warps, stages):
     return f"{block_m}x{block_n}, {warps} warps, {stages} stages"
 
 
+def tuner_pick(tuner, key):
+    """The configuration that tuner picked in this run where its key's values are
+    key's (not for fp8), or None."""
+    config = None
+    for cached, choice in tuner.cache.items():
+        named = dict(zip(tuner.keys, cached))
+        if all(named[k] == key[k] for k in tuner.keys) and "float8" not in str(cached):
+            block_m, block_n = choice.kwargs["BLOCK_M"], choice.kwargs["BLOCK_N"]
+            config = (block_m, block_n, choice.num_warps, choice.num_stages)
+    return config
+
+
 def tiles_that_ran(D, sizes, kernels):
-    """{kernel and masking: {N: configuration}} at head dim D, as text, for kernels ({name in the table:
-    (label, its tuner)}): the table's, or the autotuner's."""
+    """{kernel and masking: {N: configuration}} at head dim D, as text, for kernels
+    ({name in the table: (label, its tuner)}): the table's, or the autotuner's."""
     picks = {}
-    for name, (label, tuner) in kernels.items():
-        for causal in (False, True):
+    each = itertools.product(kernels.items(), (False, True), sizes)
+    for (name, (label, tuner)), causal, N in each:
+        q = torch.empty(1, 1, N, D, dtype=torch.float16, device=DEVICE)
+        case = tuned_case(q, causal)
+        config = TUNED_CONFIGS.get((name, *case)) if case else None
+        if config is None and tuner is not None:
+            key = dict(D=D, CAUSAL=causal, N_BUCKET=host_next_power_of_2(N),
+                       ATOMIC_DQ=name == "dkdv-atomic")
+            config = tuner_pick(tuner, key)
+        if config is not None:
             row = f"{label}, {'causal' if causal else 'non-causal'}"
-            for N in sizes:
-                case = tuned_case(torch.empty(1, 1, N, D, dtype=torch.float16, device=DEVICE), causal)
-                config = TUNED_CONFIGS.get((name, *case)) if case else None
-                if config is None and tuner is not None:  # the autotuner's pick, if this run made one
-                    key = {"D": D, "CAUSAL": causal, "N_BUCKET": triton.next_power_of_2(N),
-                           "ATOMIC_DQ": name == "dkdv-atomic"}
-                    for cached, choice in tuner.cache.items():
-                        named = dict(zip(tuner.keys, cached))
-                        if all(named[k] == key[k] for k in tuner.keys) and "float8" not in str(cached):
-                            config = (choice.kwargs["BLOCK_M"], choice.kwargs["BLOCK_N"], choice.num_warps,
-                                      choice.num_stages)
-                if config is not None:
-                    picks.setdefault(row, {})[f"N = {N}"] = config_text(*config)
+            picks.setdefault(row, {})[f"N = {N}"] = config_text(*config)
     return picks
 
 
 def where_tiles_came_from(names):
-    """A sentence: the table (with its provenance and how many compilations it costs these kernels), the
-    autotuner, or the interpreter's one configuration."""
-    if not ON_GPU:
-        return ("Under the interpreter nothing is tuned: one configuration per kernel ran, "
-                + ", ".join(f"{name} {config_text(*INTERPRETER_CONFIGS[name])}" for name in names) + ".")
-    if TUNED_ON and tuned_case(torch.empty(1, 1, 1, 128, dtype=torch.float16, device=DEVICE), False):
-        rows = {key: config for key, config in TUNED_CONFIGS.items() if key[0] in names}
-        distinct = {(name, D, causal, config) for (name, D, causal, _), config in rows.items()}
-        here = torch.cuda.get_device_name(DEVICE)
-        other = (f" This GPU, {here}, has the same architecture (compute capability "
-                 f"{'.'.join(map(str, TUNED_ON['capability']))}): these tiles were not measured on it, and "
-                 "its own sweep might pick others." if here != TUNED_ON["gpu"] else "")
-        return (f"From the table, measured on {TUNED_ON['gpu']} with torch {TUNED_ON['torch']} and Triton "
-                f"{TUNED_ON['triton']} on {TUNED_ON['date']}. For these kernels' {len(rows)} cases (kernel, head "
-                f"dim, masking, length) it names {len(distinct)} distinct configurations: one compilation each, "
-                "per dtype." + other)
-    return "The table does not cover this GPU: the autotuner picked these in this run."
+    """A sentence: the table (with its provenance and how many compilations it costs
+    these kernels), the autotuner, or the interpreter's one configuration."""
+    if not kit.ON_GPU:
+        ran = (f"{name} {config_text(*INTERPRETER_CONFIGS[name])}" for name in names)
+        return "Under the interpreter nothing is tuned: " + ", ".join(ran) + " ran."
+    probe = torch.empty(1, 1, 1, 128, dtype=torch.float16, device=DEVICE)
+    if not tuned_case(probe, False):
+        return "The table does not cover this GPU: the autotuner picked these here."
+    rows = {key: config for key, config in TUNED_CONFIGS.items() if key[0] in names}
+    distinct = {(key[:3], config) for key, config in rows.items()}
+    here, gpu = torch.cuda.get_device_name(DEVICE), TUNED_ON["gpu"]
+    return (
+        f"From the table, measured on {gpu} with torch {TUNED_ON['torch']} and Triton "
+        f"{TUNED_ON['triton']}"
+        + (f" (not on this {here}, of the same architecture)" if here != gpu else "")
+        + f". For these kernels' {len(rows)} cases (kernel, head dim, masking, length) "
+        f"it names {len(distinct)} distinct configurations: one compilation each, per "
+        "dtype."
+    )
 
 
 if __name__ == "__main__":
-    choices = pd.DataFrame(tiles_that_ran(128, SIZES, {"fwd": ("forward", FWD_TUNER)})).T
+    kernels = {"fwd": ("forward", FWD_TUNER)}
+    choices = pd.DataFrame(tiles_that_ran(128, SIZES, kernels)).T
     print(where_tiles_came_from(["fwd"]))
 
 choices if __name__ == "__main__" and not choices.empty else None
@@ -716,56 +721,68 @@ choices if __name__ == "__main__" and not choices.empty else None
 # %%
 # Exercises
 # ---------
-# Each exercise comes with a check: call it on your function, and it compares your answer with a
-# float64 reference on fresh random inputs, and says what is wrong or that you got it right.
+# Each exercise comes with a check: call it on your function, and it compares your
+# answer with a float64 reference on fresh random inputs, and says what is wrong or
+# that you got it right.
 #
-# 1. **The mask of one block pair.** Write ``causal_block_mask(start_m, start_n, block_m,
-#    block_n, n)``: a ``(block_m, block_n)`` boolean tensor that is True where query
-#    ``start_m + i`` may see key ``start_n + j`` under causal masking, and both exist (index below
-#    ``n``). Then ``check_causal_block_mask(causal_block_mask)``. Compare your answer with
-#    ``block_kinds``: a pair whose mask is all True needs no mask in the kernel. (``block_kinds``
-#    looks at keys only: a query row past ``n`` needs no mask inside the loop, since its loads read
-#    zeros and its store is masked.)
-# 2. **A key-padding mask.** Batches often hold sequences of different lengths, padded to one
-#    ``N``. Write ``padded_attention(q, k, v, key_lengths, sm_scale)`` in which batch ``b`` sees
-#    only its first ``key_lengths[b]`` keys (at least 1), forward only, by giving the forward kernel
-#    one more argument. Then ``check_padded_attention(padded_attention)``.
+# 1. **The mask of one block pair.** Write ``causal_block_mask(start_m, start_n,
+#    block_m, block_n, n)``: a ``(block_m, block_n)`` boolean tensor that is True where
+#    query ``start_m + i`` may see key ``start_n + j`` under causal masking, and both
+#    exist (index below ``n``). Then ``check_causal_block_mask(causal_block_mask)``.
+#    Compare your answer with ``block_kinds``: a pair whose mask is all True needs no
+#    mask in the kernel. (``block_kinds`` looks at keys only: a query row past ``n``
+#    needs no mask inside the loop, since its loads read zeros and its store is
+#    masked.)
+# 2. **A key-padding mask.** Batches often hold sequences of different lengths, padded
+#    to one ``N``. Write ``padded_attention(q, k, v, key_lengths, sm_scale)`` in which
+#    batch ``b`` sees only its first ``key_lengths[b]`` keys (at least 1), forward only,
+#    by giving the forward kernel one more argument. Then
+#    ``check_padded_attention(padded_attention)``.
 
 
 def check_causal_block_mask(fn):
-    """Your causal_block_mask against the definition, on random block pairs, including ragged ends."""
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    """Your causal_block_mask against the definition, on random block pairs, including
+    ragged ends."""
+    gen = kit.fresh_generator()
+
+    def randint(low, high):
+        return int(torch.randint(low, high, (), generator=gen))
+
     for _ in range(50):
-        block_m, block_n = (int(2 ** torch.randint(2, 6, (), generator=gen)) for _ in range(2))
-        n = int(torch.randint(1, 200, (), generator=gen))
-        start_m = int(torch.randint(0, triton.cdiv(n, block_m), (), generator=gen)) * block_m
-        start_n = int(torch.randint(0, triton.cdiv(n, block_n), (), generator=gen)) * block_n
+        block_m, block_n, n = 2 ** randint(2, 6), 2 ** randint(2, 6), randint(1, 200)
+        start_m = randint(0, triton.cdiv(n, block_m)) * block_m
+        start_n = randint(0, triton.cdiv(n, block_n)) * block_n
         rows = start_m + torch.arange(block_m)[:, None]
         keys = start_n + torch.arange(block_n)[None, :]
         want = (keys <= rows) & (rows < n) & (keys < n)
         got = torch.as_tensor(fn(start_m, start_n, block_m, block_n, n)).to("cpu")
+        case = f"start_m={start_m}, start_n={start_n}, block {block_m}x{block_n}, n={n}"
         if got.shape != want.shape or got.dtype != torch.bool:
-            raise AssertionError(f"expected a bool tensor of shape {tuple(want.shape)}, got {got.dtype} "
-                                 f"{tuple(got.shape)}")
+            shown = f"{got.dtype} {tuple(got.shape)}"
+            raise AssertionError(f"{case}: expected a bool tensor of shape "
+                                 f"{tuple(want.shape)}, got {shown}")
         if not torch.equal(got, want):
             i, j = (got != want).nonzero()[0].tolist()
-            raise AssertionError(f"start_m={start_m}, start_n={start_n}, blocks {block_m}x{block_n}, n={n}: "
-                                 f"query {start_m + i} and key {start_n + j} should be {bool(want[i, j])}")
+            raise AssertionError(f"{case}: query {start_m + i} and key {start_n + j} "
+                                 f"should be {bool(want[i, j])}")
     print("causal_block_mask is right on 50 random block pairs.")
 
 
 def check_padded_attention(fn):
-    """Your padded_attention against float64 attention on the unpadded keys of each batch."""
-    B, H, N, D = 3, 2, 77, 32
-    q, k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16) for _ in range(3))
-    lengths = torch.tensor([N, 1, 40], device=DEVICE)
-    # The answer gets copies: one that rewrote its inputs in place would otherwise fool the reference.
-    out = fn(q.clone(), k.clone(), v.clone(), lengths.clone(), D ** -0.5)
+    """Your padded_attention against float64 attention on the unpadded keys of each
+    batch."""
+    q, k, v = (torch.randn(3, 2, 77, 32, device=DEVICE).half() for _ in range(3))
+    lengths = torch.tensor([77, 1, 40], device=DEVICE)
+    # Copies: an answer that rewrote its inputs in place would fool the reference.
+    out = fn(q.clone(), k.clone(), v.clone(), lengths.clone(), 32**-0.5)
     if not isinstance(out, torch.Tensor) or out.shape != q.shape:
-        raise AssertionError(f"padded_attention must return a tensor of shape {tuple(q.shape)}")
+        shape = tuple(q.shape)
+        raise AssertionError(f"padded_attention must return a tensor of shape {shape}")
     for b, n in enumerate(lengths.tolist()):
-        want = reference_attention(q[b].double(), k[b, :, :n].double(), v[b, :, :n].double(), False, D ** -0.5)
-        torch.testing.assert_close(out[b].double(), want, rtol=1e-2, atol=1e-2,
-                                   msg=lambda m, b=b, n=n: f"batch {b} (key length {n}) is off: {m}")
-    print("padded_attention is right for key lengths " + ", ".join(map(str, lengths.tolist())) + ".")
-
+        qb, kb, vb = q[b].double(), k[b, :, :n].double(), v[b, :, :n].double()
+        want = kit.reference_attention(qb, kb, vb, False, 32**-0.5)
+        torch.testing.assert_close(
+            out[b].double(), want, rtol=1e-2, atol=1e-2,
+            msg=lambda m, b=b, n=n: f"batch {b} (key length {n}) is off: {m}")
+    print("padded_attention is right for key lengths "
+          + ", ".join(map(str, lengths.tolist())) + ".")

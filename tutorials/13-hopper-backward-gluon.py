@@ -2,136 +2,93 @@
 Hopper: the FlashAttention-3 backward in Gluon
 ==============================================
 
-The portable backward of lesson 07 executes seven matrix products per pair of blocks where five
-would do, or five with one atomic addition per element of :math:`dQ`. FlashAttention-3's backward
-keeps the five products and makes the additions cheap: :math:`dS` shared between two warp groups
-through shared memory, and :math:`dQ` summed by the TMA engine in bulk. This lesson writes it in
-Gluon, measures it against the portable backward and cuDNN, and profiles where the time goes.
+The portable backward of lesson 07 executes seven matrix products per pair of blocks
+where five would do, or five with one atomic addition per element of :math:`dQ`.
+FlashAttention-3's backward keeps the five products and makes the additions cheap:
+:math:`dS` shared between two warp groups through shared memory, and :math:`dQ` summed
+by the TMA engine in bulk. This lesson writes it in Gluon, measures it against the
+portable backward and cuDNN, and profiles where the time goes. You will learn:
 
-You will learn:
-
-* how one program computes :math:`dK`, :math:`dV` and its share of :math:`dQ` with five matrix
-  products, and why it multiplies :math:`S^T` rather than :math:`S`;
-* how two warp groups split :math:`dQ`'s columns so that each element gets one addition per
-  program, and how a TMA bulk reduction adds a whole fp32 tile in the L2 cache;
-* how register pressure limited this kernel's speed: spills, and the changes that removed most
-  of them;
+* how one program computes :math:`dK`, :math:`dV` and its share of :math:`dQ` with five
+  matrix products, and why it multiplies :math:`S^T` rather than :math:`S`;
+* how two warp groups split :math:`dQ`'s columns so that each element gets one addition
+  per program, and how a TMA bulk reduction adds a whole fp32 tile in the L2 cache;
+* how register pressure limits this kernel, and the changes that keep spills down;
 * how to find where a backward's time goes with the CUDA profiler, kernel by kernel.
 
-This lesson needs lessons 05 to 07, 11 and 12 next to it (``05-fused-attention-v1.py`` to
-``12-hopper-forward-profiled.py``; the site's zip of all lessons has them): it runs lesson 11's
-forward, reuses lesson 07's preprocess, lesson 12's host and GPU timers and the earlier lessons'
-checks and benchmark helpers, and falls back to lesson 07's backward where Gluon cannot run. On
-such a machine this page still shows the design and the portable kernels' numbers, and says why the
-Gluon kernel did not run.
+It runs lesson 11's forward, lesson 07's preprocess and lesson 12's host timer, and
+falls back to lesson 07's backward where Gluon cannot run: there the page still shows
+the design and the portable kernels' numbers, and says why the Gluon kernel did not run.
 """
 
-# %%
-# Where the kernels run
-# ---------------------
-# A CUDA GPU when there is one, otherwise the Triton interpreter on the CPU, switched on before the
-# first ``@triton.jit``. Gluon kernels run only compiled, on Hopper.
-
 import functools
-import os
 
 import torch
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
+import stepkit as kit  # picks the device; no GPU: the Triton interpreter
 
-import triton  # noqa: E402
-
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-
-
-def load_sibling(stem):
-    """Another lesson of this site, imported once from the file next to this one: its script, or else its
-    notebook (the site's two zips of all lessons hold one or the other side by side); ImportError, saying
-    what to download, when neither is there."""
-    import json
-    import linecache
-    import sys
-    import types
-    from pathlib import Path
-
-    name = "lesson_" + stem.replace("-", "_")
-    if name in sys.modules:
-        return sys.modules[name]
-    here = Path(__file__).parent if "__file__" in globals() else Path.cwd()
-    path = here / f"{stem}.py"
-    if path.exists():
-        source = path.read_text(encoding="utf-8")
-    elif path.with_suffix(".ipynb").exists():
-        path = path.with_suffix(".ipynb")
-        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
-        source = "\n".join("".join(cell["source"]) for cell in cells if cell["cell_type"] == "code")
-        # Triton reads a kernel's source back through linecache: give it the code, not the notebook's JSON.
-        linecache.cache[str(path)] = (len(source), None, source.splitlines(keepends=True), str(path))
-    else:
-        raise ImportError(f"this lesson needs {stem}.py or {stem}.ipynb in the same folder: download all lessons "
-                          "as a zip from the site")
-    module = types.ModuleType(name)  # not __main__: the lesson defines its kernels and runs nothing heavy
-    module.__file__ = str(path)
-    sys.modules[name] = module
-    try:
-        exec(compile(source, str(path), "exec"), module.__dict__)
-    except BaseException:
-        del sys.modules[name]  # a half-run lesson must not be found by the next import
-        raise
-    return module
-
-
-V2, V2_BWD = load_sibling("06-fused-attention-v2-forward"), load_sibling("07-fused-attention-v2-backward")
-FWD, PROFILE = load_sibling("11-hopper-forward-gluon"), load_sibling("12-hopper-forward-profiled")
+V2 = kit.load_lesson("06-fused-attention-v2-forward")
+V2_BWD = kit.load_lesson("07-fused-attention-v2-backward")
+FWD = kit.load_lesson("11-hopper-forward-gluon")
+PROFILE = kit.load_lesson("12-hopper-forward-profiled")
 
 # %%
 # Five products, one program per key block
 # ----------------------------------------
-# One program owns 128 keys, split between two consumer warp groups of 64 keys each, plus a loader
-# warp that streams blocks of 64 queries (128 at :math:`D = 64`, below says why) of :math:`Q` and
-# :math:`dO` (with their rows' :math:`\mathrm{LSE}_2` and :math:`\Delta`) through a ring of
-# shared-memory buffers, as in the forward. Per query block, each consumer group:
+# One program owns 128 keys, split between two consumer warp groups of 64 keys each,
+# plus a loader warp that streams blocks of 64 queries (128 at :math:`D = 64`, below
+# says why) of :math:`Q` and :math:`dO` (with their rows' :math:`\mathrm{LSE}_2` and
+# :math:`\Delta`) through a ring of shared-memory buffers, as in the forward. Per query
+# block, each consumer group:
 #
-# 1. issues :math:`S^T = K Q^T` and :math:`dP^T = V\,dO^T` for its keys (64 keys by the block's
-#    queries each);
+# 1. issues :math:`S^T = K Q^T` and :math:`dP^T = V\,dO^T` for its keys (64 keys by the
+#    block's queries each);
 # 2. makes :math:`P^T` and :math:`dS^T = P^T \circ (dP^T - \Delta)`, and starts
-#    :math:`dV \mathrel{+}= P^T dO` with :math:`P^T` straight from registers (the left operand of
-#    ``wgmma`` may live in registers, the right one must be in shared memory: that is why the
-#    kernel computes :math:`S^T` and not :math:`S`);
-# 3. writes its :math:`dS^T` to shared memory and waits for the other group's. Each query's
-#    :math:`dQ` row needs :math:`dS` for all 128 keys of the program, so each group multiplies
-#    :math:`dS\,K` for *half of the columns* of :math:`dQ` (64 of 128 at :math:`D = 128`) over both
-#    groups' keys: one addition per element per program, not two;
-# 4. starts :math:`dK \mathrel{+}= dS^T Q` last, and while it runs, sends its :math:`dQ` columns
-#    out: registers to shared memory, then a *TMA reduction* (``cp.reduce.async.bulk``) adds the
-#    whole fp32 tile into global memory in one bulk operation, in the L2 cache, while the warps go on.
+#    :math:`dV \mathrel{+}= P^T dO` with :math:`P^T` straight from registers (the left
+#    operand of ``wgmma`` may live in registers, the right one must be in shared memory:
+#    that is why the kernel computes :math:`S^T` and not :math:`S`);
+# 3. writes its :math:`dS^T` to shared memory and waits for the other group's. Each
+#    query's :math:`dQ` row needs :math:`dS` for all 128 keys of the program, so each
+#    group multiplies :math:`dS\,K` for *half of the columns* of :math:`dQ` (64 of 128
+#    at :math:`D = 128`) over both groups' keys: one addition per element per program,
+#    not two;
+# 4. starts :math:`dK \mathrel{+}= dS^T Q` last, and while it runs, sends its :math:`dQ`
+#    columns out: registers to shared memory, then a *TMA reduction*
+#    (``cp.reduce.async.bulk``) adds the whole fp32 tile into global memory in one bulk
+#    operation, in the L2 cache, while the warps go on.
 #
-# The picture shows what each of the two groups holds and multiplies for one query block, at
-# :math:`D = 128` (64 queries per block); the dashed lines in :math:`dQ` mark the 32-column boxes
-# that its TMA reductions send (the next section says why 32).
+# The picture shows what each of the two groups holds and multiplies for one query
+# block, at :math:`D = 128` (64 queries per block); the dashed lines in :math:`dQ` mark
+# the 32-column boxes that its TMA reductions send (the next section says why 32).
 
 
 def draw_split(keys=128, queries=64, D=128):
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(8, 3.4), gridspec_kw={"width_ratios": [1, 1, 1.4]})
+    fig, axes = plt.subplots(1, 3, figsize=(8, 3.4),
+                             gridspec_kw={"width_ratios": [1, 1, 1.4]})
     colors = ("#3b7dd8", "#e4a23c")
+    text = dict(ha="center", va="center", fontsize=10, color="white")
     for g in range(2):
-        axes[0].add_patch(plt.Rectangle((0, g * keys / 2), D, keys / 2, color=colors[g]))
-        axes[0].text(D / 2, g * keys / 2 + keys / 4, f"group {g}:\nkeys {g * keys // 2}-{(g + 1) * keys // 2 - 1}\n"
-                     "dK, dV", ha="center", va="center", fontsize=10, color="white")
-        axes[1].add_patch(plt.Rectangle((0, g * keys / 2), queries, keys / 2, color=colors[g], alpha=0.8))
-        axes[1].text(queries / 2, g * keys / 2 + keys / 4, f"dS^T of\ngroup {g}\n(shared)", ha="center",
-                     va="center", fontsize=10, color="white")
-        axes[2].add_patch(plt.Rectangle((g * D / 2, 0), D / 2, queries, color=colors[g]))
-        axes[2].text(g * D / 2 + D / 4, queries / 2, f"group {g}:\ncolumns\n{g * D // 2}-{(g + 1) * D // 2 - 1}",
-                     ha="center", va="center", fontsize=10, color="white", zorder=3,
-                     bbox=dict(facecolor=colors[g], edgecolor="none", pad=1))
-    for ax, (title, w, h, xl, yl) in zip(axes, [("accumulators", D, keys, "head dim", "key"),
-                                               ("dS^T in shared memory", queries, keys, "query", "key"),
-                                               ("dQ tile sent by TMA reduction", D, queries, "head dim", "query")]):
+        first, last = g * keys // 2, (g + 1) * keys // 2 - 1
+        axes[0].add_patch(plt.Rectangle((0, g * keys / 2), D, keys / 2,
+                                        color=colors[g]))
+        axes[0].text(D / 2, g * keys / 2 + keys / 4,
+                     f"group {g}:\nkeys {first}-{last}\ndK, dV", **text)
+        axes[1].add_patch(plt.Rectangle((0, g * keys / 2), queries, keys / 2,
+                                        color=colors[g], alpha=0.8))
+        axes[1].text(queries / 2, g * keys / 2 + keys / 4,
+                     f"dS^T of\ngroup {g}\n(shared)", **text)
+        axes[2].add_patch(plt.Rectangle((g * D / 2, 0), D / 2, queries,
+                                        color=colors[g]))
+        axes[2].text(g * D / 2 + D / 4, queries / 2,
+                     f"group {g}:\ncolumns\n{g * D // 2}-{(g + 1) * D // 2 - 1}",
+                     zorder=3, bbox=dict(facecolor=colors[g], edgecolor="none", pad=1),
+                     **text)
+    panels = [("accumulators", D, keys, "head dim", "key"),
+              ("dS^T in shared memory", queries, keys, "query", "key"),
+              ("dQ tile sent by TMA reduction", D, queries, "head dim", "query")]
+    for ax, (title, w, h, xl, yl) in zip(axes, panels):
         ax.set(xlim=(0, w), ylim=(h, 0))
         ax.set_title(title, fontsize=10)
         ax.set_xlabel(xl, fontsize=10)
@@ -139,7 +96,8 @@ def draw_split(keys=128, queries=64, D=128):
         ax.tick_params(labelsize=10)
     for column in range(32, D, 32):
         axes[2].axvline(column, color="white", linestyle="--", linewidth=1.5)
-    fig.suptitle(f"D = {D}: {keys} keys per program, {queries} queries per block", fontsize=11)
+    fig.suptitle(f"D = {D}: {keys} keys per program, {queries} queries per block",
+                 fontsize=11)
     fig.tight_layout()
     return fig
 
@@ -148,61 +106,59 @@ if __name__ == "__main__":
     draw_split()
 
 # %%
-# What decided its speed
+# What decides its speed
 # ----------------------
 # Seven details, each found by measuring (the engineering notes of this site keep those
-# measurements, with the GPU, versions and commits):
+# measurements, with the GPU and versions):
 #
 # * **Bulk reductions, not element atomics.** One ``red.global.add.f32`` per element of
-#   :math:`dQ` keeps the L2 cache busy with tiny transactions; a TMA reduction sends a whole tile.
-#   Triton 3.6's Gluon can emit the operation but has no Python name for it yet (later versions
-#   call it ``tma.async_atomic_add``), so the lesson defines the builtin itself, the way lesson 11
-#   bridges ``async_load``'s two names.
-# * **A bank-conflict-free staging tile.** TMA reads the fp32 tile from shared memory in the
-#   swizzled layout that ``NVMMASharedLayout`` describes, whose rows may be at most 128 bytes: 32
-#   fp32 values. So :math:`dQ`'s 64 columns go out as two 32-column boxes. In an unswizzled 256-byte
-#   row layout, the eight rows that one warp writes land on the same memory banks: an 8-way
-#   conflict on every store.
-# * **Registers.** A consumer thread holds :math:`dK` and :math:`dV` for 64 keys (128 registers at
-#   :math:`D = 128`), :math:`S^T` and :math:`dP^T` (64 more), and its :math:`dQ` columns (32), of
-#   the 240 that ``setmaxnreg`` gives it (lesson 11). Whatever does not fit spills to local memory
-#   (``ptxas -v`` reports the bytes). Four changes cut the spills: the loader also brings each
-#   query block's :math:`\mathrm{LSE}_2` and :math:`\Delta` into shared memory by TMA (no
-#   pointers, masks or index vectors in the consumers); :math:`P^T` is kept in 16 bits once
-#   :math:`dS^T` is made; the causal mask's index vectors are made where they are used, not kept
-#   across the loop; and one loop handles the masked and the unmasked query blocks, with the mask
-#   behind a branch, since a second loop made the compiler spill in both.
+#   :math:`dQ` keeps the L2 cache busy with tiny transactions; a TMA reduction sends a
+#   whole tile. Triton 3.6's Gluon can emit the operation but has no Python name for it
+#   yet (later versions call it ``tma.async_atomic_add``), so the lesson defines the
+#   builtin itself, the way lesson 11 bridges ``async_load``'s two names.
+# * **A bank-conflict-free staging tile.** TMA reads the fp32 tile from shared memory in
+#   the swizzled layout that ``NVMMASharedLayout`` describes, whose rows may be at most
+#   128 bytes: 32 fp32 values. So :math:`dQ`'s 64 columns go out as two 32-column boxes.
+#   In an unswizzled 256-byte row layout, the eight rows that one warp writes land on
+#   the same memory banks: an 8-way conflict on every store.
+# * **Registers.** A consumer thread holds :math:`dK` and :math:`dV` for 64 keys (128
+#   registers at :math:`D = 128`), :math:`S^T` and :math:`dP^T` (64 more), and its
+#   :math:`dQ` columns (32), of the 240 that ``setmaxnreg`` gives it (lesson 11).
+#   Whatever does not fit spills to local memory (``ptxas -v`` reports the bytes). Four
+#   changes cut the spills: the loader also brings each query block's
+#   :math:`\mathrm{LSE}_2` and :math:`\Delta` into shared memory by TMA (no pointers,
+#   masks or index vectors in the consumers); :math:`P^T` is kept in 16 bits once
+#   :math:`dS^T` is made; the causal mask's index vectors are made where they are used,
+#   not kept across the loop; and one loop handles the masked and the unmasked query
+#   blocks, with the mask behind a branch, since a second loop made the compiler spill
+#   in both.
 # * **Query blocks as large as the registers allow.** At :math:`D = 64`, :math:`dK` and
-#   :math:`dV` take half the registers they take at :math:`D = 128`, which leaves room for
-#   128-query tiles of :math:`S^T` and :math:`dP^T`: each exchange of :math:`dS^T`, each barrier
-#   and each reduction of :math:`dQ` then serves twice the products. In an H100 probe the kernel
-#   ran 8% to 11% faster than with 64-query blocks without the mask, and 4% to 7% faster with it
-#   from :math:`N = 2048` (the same at :math:`N = 1024`).
-# * **Overlap.** :math:`dK`'s product is issued after :math:`dQ`'s, so the wait for :math:`dQ`
-#   leaves it running while the tile is stored and sent.
-# * **Exponentials under a product.** ``warpgroup_mma_wait(1)`` waits for :math:`S^T` alone (products
-#   finish in the order they were issued), so :math:`P^T`'s exponentials run while :math:`dP^T` is
-#   still being multiplied: 1.01x to 1.05x the speed of waiting for both at :math:`D = 128` (two H100
-#   probes), 0.97x to 1.06x at :math:`D = 64`. Issuing :math:`dV`'s product before the second wait
-#   as well measured 0.88x to 1.01x, and was dropped.
-# * **Wide stores, where they pay.** ``wgmma`` leaves each thread pairs of adjacent values of
-#   :math:`dK` and :math:`dV`, so stores straight from its layout are 4 bytes wide. Without the
-#   causal mask the consumers first rearrange them into lesson 11's store layout, 8 adjacent values
-#   per thread: 16-byte, coalesced stores, the same bits, and 0.99x to 1.13x the speed of storing
-#   straight in an H100 probe (engineering notes, ``df96ead``; most at :math:`N = 1024`, where the
-#   stores weigh most). With the mask, the same change measured 8% to 12% slower at
-#   :math:`D = 128`, so with the mask they are stored straight at every head dimension (:math:`D =
-#   64` with the mask was not measured on its own).
+#   :math:`dV` take half the registers they take at :math:`D = 128`, which leaves room
+#   for 128-query tiles of :math:`S^T` and :math:`dP^T`: each exchange of :math:`dS^T`,
+#   each barrier and each reduction of :math:`dQ` then serves twice the products.
+# * **Overlap.** :math:`dK`'s product is issued after :math:`dQ`'s, so the wait for
+#   :math:`dQ` leaves it running while the tile is stored and sent.
+# * **Exponentials under a product.** ``warpgroup_mma_wait(1)`` waits for :math:`S^T`
+#   alone (products finish in the order they were issued), so :math:`P^T`'s exponentials
+#   run while :math:`dP^T` is still being multiplied. Issuing :math:`dV`'s product
+#   before the second wait as well was tried and dropped (engineering notes).
+# * **Wide stores, where they pay.** ``wgmma`` leaves each thread pairs of adjacent
+#   values of :math:`dK` and :math:`dV`, so stores straight from its layout are 4 bytes
+#   wide. Without the causal mask the consumers first rearrange them into lesson 11's
+#   store layout, 8 adjacent values per thread: 16-byte, coalesced stores, the same
+#   bits. With the mask the rearrangement did not pay (engineering notes), so there
+#   they are stored straight at every head dimension.
 #
-# Where the TMA box crosses the end of the sequence, the loads fill zeros and the reductions skip
-# the rows past :math:`N`, so no query block needs a bounds mask. :math:`dQ` is summed in an fp32
-# buffer and rounded to the input dtype at the end. The order of the additions varies, so
-# :math:`dQ`'s last bits can differ from run to run; ``atomic_dq=False`` asks for lesson 07's
-# two-pass backward, which gives the same bits every time.
+# Where the TMA box crosses the end of the sequence, the loads fill zeros and the
+# reductions skip the rows past :math:`N`, so no query block needs a bounds mask.
+# :math:`dQ` is summed in an fp32 buffer and rounded to the input dtype at the end. The
+# order of the additions varies, so :math:`dQ`'s last bits can differ from run to run;
+# ``atomic_dq=False`` asks for lesson 07's two-pass backward, which gives the same bits
+# every time.
 
-from triton.experimental import gluon  # noqa: E402
-from triton.experimental.gluon import language as gl  # noqa: E402
-from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     tma,
@@ -213,54 +169,68 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
 _tma_load, _ws_barrier_ring = FWD._tma_load, FWD._ws_barrier_ring
 
 WS_BWD_BLOCK_N, WS_BWD_STAGES = 128, 2
-# Queries per block, by head dimension: at D = 64 the registers hold 128-query tiles of S^T and dP^T.
+# Queries per block, by head dimension: at D = 64 the registers hold 128-query tiles of
+# S^T and dP^T.
 WS_BWD_BLOCK_M = {64: 128, 128: 64}
-_WS_ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-_WS_DQ_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=4)
+_WS_ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
+                                      rank=2)
+_WS_DQ_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32,
+                                     rank=4)
 
 if hasattr(tma, "async_atomic_add"):
     _tma_reduce_add = tma.async_atomic_add
 else:  # Triton 3.6: the compiler has the operation, Gluon no name for it yet
-    from triton._C.libtriton import ir as _ir  # noqa: E402
-    from triton.experimental.gluon.language._core import builtin as _gluon_builtin  # noqa: E402
+    from triton._C.libtriton import ir as _ir
+    from triton.experimental.gluon.language._core import builtin as _gluon_builtin
 
     @_gluon_builtin
     def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
         coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+        _semantic.builder.create_async_tma_reduce(
+            _ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
-_group_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier  # named so since Triton 3.7
+# named so since Triton 3.7
+_group_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 
 
 @gluon.jit
-def _ws_bwd_loader(desc_q, desc_k, desc_v, desc_do, desc_lse, desc_delta, q_smem, k_smem, v_smem, do_smem, lse_smem,
-                   delta_smem, kv_full, q_full, q_empty, do_full, do_empty, b, h, bh, start_n, first, last,
+def _ws_bwd_loader(desc_q, desc_k, desc_v, desc_do, desc_lse, desc_delta, q_smem,
+                   k_smem, v_smem, do_smem, lse_smem, delta_smem, kv_full, q_full,
+                   q_empty, do_full, do_empty, b, h, bh, start_n, first, last,
                    BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     ROWS: gl.constexpr = desc_k.block_type.shape[2]
-    mbarrier.expect(kv_full, 2 * desc_k.block_type.nbytes + 2 * desc_v.block_type.nbytes)
+    mbarrier.expect(kv_full,
+                    2 * desc_k.block_type.nbytes + 2 * desc_v.block_type.nbytes)
     for g in gl.static_range(2):  # the keys of both consumer groups
         _tma_load(desc_k, [b, h, start_n + g * ROWS, 0], kv_full, k_smem.index(g))
         _tma_load(desc_v, [b, h, start_n + g * ROWS, 0], kv_full, v_smem.index(g))
     for j in range(first, last):
         stage = (j - first) % STAGES
         phase = ((j - first) // STAGES) & 1
-        # Q travels with its rows' LSE, dO with their Delta, each pair under one barrier.
+        row = j * BLOCK_M
+        q_ready = q_full.index(stage)
+        do_ready = do_full.index(stage)
+        # Q travels with its rows' LSE, dO with their Delta, each pair under a barrier.
         mbarrier.wait(q_empty.index(stage), phase ^ 1)
-        mbarrier.expect(q_full.index(stage), desc_q.block_type.nbytes + desc_lse.block_type.nbytes)
-        _tma_load(desc_q, [b, h, j * BLOCK_M, 0], q_full.index(stage), q_smem.index(stage))
-        _tma_load(desc_lse, [bh, j * BLOCK_M], q_full.index(stage), lse_smem.index(stage))
+        mbarrier.expect(q_ready, desc_q.block_type.nbytes + desc_lse.block_type.nbytes)
+        _tma_load(desc_q, [b, h, row, 0], q_ready, q_smem.index(stage))
+        _tma_load(desc_lse, [bh, row], q_ready, lse_smem.index(stage))
         mbarrier.wait(do_empty.index(stage), phase ^ 1)
-        mbarrier.expect(do_full.index(stage), desc_do.block_type.nbytes + desc_delta.block_type.nbytes)
-        _tma_load(desc_do, [b, h, j * BLOCK_M, 0], do_full.index(stage), do_smem.index(stage))
-        _tma_load(desc_delta, [bh, j * BLOCK_M], do_full.index(stage), delta_smem.index(stage))
+        mbarrier.expect(do_ready,
+                        desc_do.block_type.nbytes + desc_delta.block_type.nbytes)
+        _tma_load(desc_do, [b, h, row, 0], do_ready, do_smem.index(stage))
+        _tma_load(desc_delta, [bh, row], do_ready, delta_smem.index(stage))
 
 
 @gluon.jit
-def _ws_bwd_step(j, i, dk, dv, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, q_full,
-                 q_empty, do_full, do_empty, ds_ready, ds_free, desc_dq, b, h, first_key, unmasked_from, qk_scale,
-                 sm_scale, GROUP: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                 t_layout: gl.constexpr, a_layout: gl.constexpr, q_layout: gl.constexpr):
-    """Query block j, the i-th of this program: dV, dK for this group's keys, and its columns of dQ."""
+def _ws_bwd_step(j, i, dk, dv, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                 ds_smem, dq_smem, q_full, q_empty, do_full, do_empty, ds_ready,
+                 ds_free, desc_dq, b, h, first_key, unmasked_from, qk_scale, sm_scale,
+                 GROUP: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                 t_layout: gl.constexpr, a_layout: gl.constexpr,
+                 q_layout: gl.constexpr):
+    """Query block j, the i-th of this program: dV, dK for this group's keys, and its
+    columns of dQ."""
     ROWS: gl.constexpr = k_smem.shape[-2]
     D: gl.constexpr = k_smem.shape[-1]
     BLOCK_M: gl.constexpr = q_smem.shape[-2]
@@ -279,14 +249,17 @@ def _ws_bwd_step(j, i, dk, dv, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_
     pt = gl.exp2(st * qk_scale - lse_smem.index(stage).load(t_layout))
     if CAUSAL and j < unmasked_from:
         # Key row r sees query column c when first_key + r <= j * BLOCK_M + c.
-        rel = gl.arange(0, ROWS, gl.SliceLayout(1, t_layout)) + (first_key - j * BLOCK_M)
-        pt = gl.where(rel[:, None] <= gl.arange(0, BLOCK_M, gl.SliceLayout(0, t_layout))[None, :], pt, 0.0)
+        rel = (gl.arange(0, ROWS, gl.SliceLayout(1, t_layout))
+               + (first_key - j * BLOCK_M))
+        cols = gl.arange(0, BLOCK_M, gl.SliceLayout(0, t_layout))
+        pt = gl.where(rel[:, None] <= cols[None, :], pt, 0.0)
     dpt = warpgroup_mma_wait(0, deps=[dpt])
     dst = (pt * (dpt - delta_smem.index(stage).load(t_layout))).to(qs.dtype)
     pt_op = gl.convert_layout(pt.to(qs.dtype), a_layout)
     dv = warpgroup_mma(pt_op, dos, dv, is_async=True)
-    # Share dS^T: the other group's is needed for this group's columns of dQ, and vice versa.
-    mbarrier.wait(ds_free, (i & 1) ^ 1)  # both groups are done with the previous block's
+    # Share dS^T: the other group's is needed for this group's columns of dQ, and vice
+    # versa.
+    mbarrier.wait(ds_free, (i & 1) ^ 1)  # both groups are done with the last block's
     ds_smem.index(GROUP).store(dst)
     fence_async_shared()
     _group_barrier()
@@ -295,9 +268,10 @@ def _ws_bwd_step(j, i, dk, dv, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_
     dq = gl.zeros([BLOCK_M, DH], gl.float32, q_layout)
     for g in gl.static_range(2):
         kg = k_smem.index(g).reshape([ROWS, D]).slice(GROUP * DH, DH, dim=1)
-        dq = warpgroup_mma(ds_smem.index(g).permute((1, 0)), kg, dq, use_acc=g > 0, is_async=True)
+        dq = warpgroup_mma(ds_smem.index(g).permute((1, 0)), kg, dq, use_acc=g > 0,
+                           is_async=True)
     dst_op = gl.convert_layout(dst, a_layout)
-    dk = warpgroup_mma(dst_op, qs, dk, is_async=True)  # issued last: it runs while dQ is sent out
+    dk = warpgroup_mma(dst_op, qs, dk, is_async=True)  # last: runs while dQ is sent out
     dv, dq, pt_op = warpgroup_mma_wait(1, deps=[dv, dq, pt_op])
     mbarrier.arrive(ds_free, count=1)
     mbarrier.arrive(do_empty.index(stage), count=1)
@@ -313,64 +287,75 @@ def _ws_bwd_step(j, i, dk, dv, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_
     fence_async_shared()
     _group_barrier()
     for p in gl.static_range(DH // 32):
-        _tma_reduce_add(desc_dq, [b, h, j * BLOCK_M, GROUP * DH + p * 32], dq_smem.index(GROUP * (DH // 32) + p))
+        _tma_reduce_add(desc_dq, [b, h, j * BLOCK_M, GROUP * DH + p * 32],
+                        dq_smem.index(GROUP * (DH // 32) + p))
     dk, dst_op = warpgroup_mma_wait(0, deps=[dk, dst_op])
     mbarrier.arrive(q_empty.index(stage), count=1)
     return dk, dv
 
 
 @gluon.jit
-def _ws_bwd_consumer(GROUP: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                     kv_full, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, desc_dq, DK, DV, qk_scale,
-                     sm_scale, b, h, bh, start_n, N, first, unmasked_from, last, CAUSAL: gl.constexpr,
-                     STAGES: gl.constexpr):
+def _ws_bwd_consumer(GROUP: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_smem,
+                     delta_smem, ds_smem, dq_smem, kv_full, q_full, q_empty, do_full,
+                     do_empty, ds_ready, ds_free, desc_dq, DK, DV, qk_scale, sm_scale,
+                     b, h, bh, start_n, N, first, unmasked_from, last,
+                     CAUSAL: gl.constexpr, STAGES: gl.constexpr):
     ROWS: gl.constexpr = k_smem.shape[-2]
     D: gl.constexpr = k_smem.shape[-1]
     BLOCK_M: gl.constexpr = q_smem.shape[-2]
-    # S^T, dP^T: ROWS x BLOCK_M; dK, dV: ROWS x D; dQ: BLOCK_M x D/2; P^T, dS^T as a register operand.
-    t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-    g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-    q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, D // 2, 16])
+    # S^T, dP^T: ROWS x BLOCK_M; dK, dV: ROWS x D; dQ: BLOCK_M x D/2; P^T, dS^T as a
+    # register operand.
+    t_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+    g_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    q_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D // 2, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(0, g_layout, 2)
     dk = gl.zeros([ROWS, D], gl.float32, g_layout)
     dv = gl.zeros([ROWS, D], gl.float32, g_layout)
     first_key = start_n + GROUP * ROWS
     mbarrier.wait(kv_full, 0)
     for j in range(first, last):
-        dk, dv = _ws_bwd_step(j, j - first, dk, dv, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem,
-                              dq_smem, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, desc_dq, b, h, first_key,
-                              unmasked_from, qk_scale, sm_scale, GROUP, CAUSAL, STAGES, t_layout, a_layout, q_layout)
+        dk, dv = _ws_bwd_step(j, j - first, dk, dv, k_smem, v_smem, q_smem, do_smem,
+                              lse_smem, delta_smem, ds_smem, dq_smem, q_full, q_empty,
+                              do_full, do_empty, ds_ready, ds_free, desc_dq, b, h,
+                              first_key, unmasked_from, qk_scale, sm_scale, GROUP,
+                              CAUSAL, STAGES, t_layout, a_layout, q_layout)
     dk = (dk * sm_scale).to(DK.dtype.element_ty)
     dv = dv.to(DV.dtype.element_ty)
     if CAUSAL:
         out_layout: gl.constexpr = g_layout
     else:
-        # Without the mask, dK and dV leave through the forward's 16-byte store layout (lesson 11); with
-        # it, the rearrangement cost more than it saved (the text before the kernel gives both).
-        out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [4, 1], [1, 0])
+        # Without the mask, dK and dV leave through the forward's 16-byte store layout
+        # (lesson 11); with it, the rearrangement did not pay.
+        out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8],
+                                                    [4, 1], [1, 0])
         dk = gl.convert_layout(dk, out_layout)
         dv = gl.convert_layout(dv, out_layout)
     keys = first_key + gl.arange(0, ROWS, gl.SliceLayout(1, out_layout))
     # 64-bit: B * H * N * D can pass 2**31 elements.
-    out = bh.to(gl.int64) * N * D + keys[:, None] * D + gl.arange(0, D, gl.SliceLayout(0, out_layout))[None, :]
+    cols = gl.arange(0, D, gl.SliceLayout(0, out_layout))
+    out = bh.to(gl.int64) * N * D + keys[:, None] * D + cols[None, :]
     gl.store(DK + out, dk, mask=keys[:, None] < N)
     gl.store(DV + out, dv, mask=keys[:, None] < N)
 
 
-@gluon.jit(do_not_specialize=["N"])  # Triton 3.6 fails to compile this kernel with N = 1 specialized in
-def attn_bwd_ws_kernel(desc_q, desc_k, desc_v, desc_do, desc_lse, desc_delta, desc_dq, DK, DV, qk_scale, sm_scale, H,
-                       N, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                       CONSUMER_REGISTERS: gl.constexpr, LOADER_REGISTERS: gl.constexpr):
+# Triton 3.6 fails to compile this kernel with N = 1 specialized in.
+@gluon.jit(do_not_specialize=["N"])
+def attn_bwd_ws_kernel(desc_q, desc_k, desc_v, desc_do, desc_lse, desc_delta, desc_dq,
+                       DK, DV, qk_scale, sm_scale, H, N, CAUSAL: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       STAGES: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr,
+                       LOADER_REGISTERS: gl.constexpr):
     start_n = gl.program_id(0) * BLOCK_N
     bh = gl.program_id(1)
     b = bh // H
     h = bh % H
     last = gl.cdiv(N, BLOCK_M)
     if CAUSAL:
-        first = start_n // BLOCK_M  # query blocks above the diagonal see none of these keys
-        unmasked_from = first + BLOCK_N // BLOCK_M  # the blocks that cross the diagonal need the mask
+        first = start_n // BLOCK_M  # blocks above the diagonal see none of these keys
+        unmasked_from = first + BLOCK_N // BLOCK_M  # blocks crossing it need the mask
     else:
         first = 0
         unmasked_from = 0
@@ -380,12 +365,17 @@ def attn_bwd_ws_kernel(desc_q, desc_k, desc_v, desc_do, desc_lse, desc_delta, de
     k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, D], desc_k.layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, D], desc_v.layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, D], desc_q.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, D], desc_do.layout)
-    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], desc_lse.layout)
-    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], desc_delta.layout)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_M], dtype)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, D],
+                                        desc_do.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M],
+                                         desc_lse.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M],
+                                           desc_delta.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_M],
+                                                                   dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [2, ROWS, BLOCK_M], ds_layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [D // 32, 1, 1, BLOCK_M, 32], desc_dq.layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [D // 32, 1, 1, BLOCK_M, 32],
+                                        desc_dq.layout)
     kv_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -396,93 +386,104 @@ def attn_bwd_ws_kernel(desc_q, desc_k, desc_v, desc_do, desc_lse, desc_delta, de
     do_full = _ws_barrier_ring(STAGES, 1)
     q_empty = _ws_barrier_ring(STAGES, 2)
     do_empty = _ws_barrier_ring(STAGES, 2)
-    # The argument tuples are written out in the call, as in lesson 11: a tuple stored in a variable
-    # first would turn CAUSAL and STAGES into run-time values.
+    # The argument tuples are written out in the call, as in lesson 11: a tuple stored
+    # in a variable first would turn CAUSAL and STAGES into run-time values.
     gl.warp_specialize([
-        (_ws_bwd_consumer, (0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_full,
-                            q_full, q_empty, do_full, do_empty, ds_ready, ds_free, desc_dq, DK, DV, qk_scale, sm_scale,
-                            b, h, bh, start_n, N, first, unmasked_from, last, CAUSAL, STAGES)),
-        (_ws_bwd_consumer, (1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_full,
-                            q_full, q_empty, do_full, do_empty, ds_ready, ds_free, desc_dq, DK, DV, qk_scale, sm_scale,
-                            b, h, bh, start_n, N, first, unmasked_from, last, CAUSAL, STAGES)),
-        (_ws_bwd_loader, (desc_q, desc_k, desc_v, desc_do, desc_lse, desc_delta, q_smem, k_smem, v_smem, do_smem,
-                          lse_smem, delta_smem, kv_full, q_full, q_empty, do_full, do_empty, b, h, bh, start_n, first,
+        (_ws_bwd_consumer, (0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                            ds_smem, dq_smem, kv_full, q_full, q_empty, do_full,
+                            do_empty, ds_ready, ds_free, desc_dq, DK, DV, qk_scale,
+                            sm_scale, b, h, bh, start_n, N, first, unmasked_from, last,
+                            CAUSAL, STAGES)),
+        (_ws_bwd_consumer, (1, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                            ds_smem, dq_smem, kv_full, q_full, q_empty, do_full,
+                            do_empty, ds_ready, ds_free, desc_dq, DK, DV, qk_scale,
+                            sm_scale, b, h, bh, start_n, N, first, unmasked_from, last,
+                            CAUSAL, STAGES)),
+        (_ws_bwd_loader, (desc_q, desc_k, desc_v, desc_do, desc_lse, desc_delta, q_smem,
+                          k_smem, v_smem, do_smem, lse_smem, delta_smem, kv_full,
+                          q_full, q_empty, do_full, do_empty, b, h, bh, start_n, first,
                           last, BLOCK_M, STAGES)),
     ], [4, 1], [CONSUMER_REGISTERS, LOADER_REGISTERS])
 
 
 def _ws_row_descriptor(x, block_m):
-    """(1, block_m) boxes of a (B*H, N) fp32 tensor. TMA needs the row stride in multiples of
-    16 bytes, so rows whose length is not a multiple of 4 are copied into a wider buffer first."""
+    """(1, block_m) boxes of a (B*H, N) fp32 tensor. TMA needs the row stride in
+    multiples of 16 bytes, so rows whose length is not a multiple of 4 are copied into
+    a wider buffer first."""
     rows, n = x.shape
     if n % 4:
-        x = torch.zeros((rows, n + 4 - n % 4), dtype=x.dtype, device=x.device)[:, :n].copy_(x)
-    return FWD.CheckedDescriptor(x, [rows, n], list(x.stride()), [1, block_m], _WS_ROW_LAYOUT)
+        wider = torch.zeros((rows, n + 4 - n % 4), dtype=x.dtype, device=x.device)
+        x = wider[:, :n].copy_(x)
+    return FWD.CheckedDescriptor(x, [rows, n], list(x.stride()), [1, block_m],
+                                 _WS_ROW_LAYOUT)
 
 
 def _ws_backward(q, k, v, do, lse, delta, causal, sm_scale):
-    """dQ, dK, dV from the warp-specialized kernel; dQ is summed in fp32 by TMA reductions."""
+    """dQ, dK, dV from the warp-specialized kernel; dQ is summed in fp32 by TMA
+    reductions."""
     B, H, N, D = q.shape
     if not FWD.tma_loadable(do):
-        # A fresh allocation: do.contiguous() returns do itself when it is contiguous but starts off a
-        # 16-byte boundary, which TMA cannot load (lesson 11's exercise "Making a tensor loadable").
+        # A fresh allocation: do.contiguous() returns do itself when it is contiguous
+        # but starts off a 16-byte boundary, which TMA cannot load (lesson 11's
+        # exercise "Making a tensor loadable").
         do = torch.empty(do.shape, dtype=do.dtype, device=do.device).copy_(do)
     dq = torch.zeros((B, H, N, D), dtype=torch.float32, device=q.device)
     dk = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
-    block_m = WS_BWD_BLOCK_M[D]
+    block_m, half = WS_BWD_BLOCK_M[D], WS_BWD_BLOCK_N // 2
+    descriptors = (
+        FWD._ws_descriptor(q, block_m), FWD._ws_descriptor(k, half),
+        FWD._ws_descriptor(v, half), FWD._ws_descriptor(do, block_m),
+        _ws_row_descriptor(lse, block_m), _ws_row_descriptor(delta, block_m),
+        FWD.CheckedDescriptor(dq, list(dq.shape), list(dq.stride()),
+                              [1, 1, block_m, 32], _WS_DQ_LAYOUT))
     V2.launch_planned(
-        V2.plan_key(q, k, v, do), attn_bwd_ws_kernel, (V2.host_cdiv(N, WS_BWD_BLOCK_N), B * H), 11,
-        (FWD._ws_descriptor(q, block_m), FWD._ws_descriptor(k, WS_BWD_BLOCK_N // 2),
-         FWD._ws_descriptor(v, WS_BWD_BLOCK_N // 2), FWD._ws_descriptor(do, block_m), _ws_row_descriptor(lse, block_m),
-         _ws_row_descriptor(delta, block_m),
-         FWD.CheckedDescriptor(dq, list(dq.shape), list(dq.stride()), [1, 1, block_m, 32], _WS_DQ_LAYOUT),
-         dk, dv, sm_scale * V2.LOG2E, sm_scale, H, N),
-        dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=WS_BWD_BLOCK_N, STAGES=WS_BWD_STAGES,
-             CONSUMER_REGISTERS=FWD.WS_CONSUMER_REGISTERS, LOADER_REGISTERS=FWD.WS_LOADER_REGISTERS), num_warps=4)
+        V2.plan_key(q, k, v, do), attn_bwd_ws_kernel,
+        (V2.host_cdiv(N, WS_BWD_BLOCK_N), B * H), 11,
+        (*descriptors, dk, dv, sm_scale * V2.LOG2E, sm_scale, H, N),
+        dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=WS_BWD_BLOCK_N,
+             STAGES=WS_BWD_STAGES, CONSUMER_REGISTERS=FWD.WS_CONSUMER_REGISTERS,
+             LOADER_REGISTERS=FWD.WS_LOADER_REGISTERS),
+        num_warps=4)
     return dq.to(q.dtype), dk, dv
-
 
 
 # %%
 # The launcher and autograd
 # -------------------------
-# Three backwards can follow either forward: this lesson's Gluon kernel, lesson 07's two-pass one
-# and lesson 07's atomic one. Which is fastest depends on the case, so ``attention`` runs the one
-# that the sweep (``python tools/tune.py attention``) measured fastest for it, recorded in
-# ``BACKWARD_PATHS``, and the forward that lesson 11's table names. (As there, a path's time is the
-# slower of its GPU time and the host's time per call, and the sweep ran before this build; the line
-# under the benchmark's table counts the cases where this build's timings agree with it.) The
-# arguments can overrule the tables: ``atomic_dq=False`` asks for the two-pass backward, whose
-# :math:`dQ` has the same bits on every run; ``atomic_dq=True`` for an atomic one (the Gluon kernel
-# where it runs, lesson 07's elsewhere); ``warp_specialized=True`` for the Gluon kernels, forward
-# and backward, and ``False`` for lessons 06 and 07's. A case the tables do not cover runs Gluon where it
-# can, and otherwise the two-pass backward.
+# Three backwards can follow either forward: this lesson's Gluon kernel, lesson 07's
+# two-pass one and lesson 07's atomic one. Which is fastest depends on the case, so
+# ``attention`` runs the one that the sweep (``python tools/tune.py attention``)
+# measured fastest for it, recorded in ``BACKWARD_PATHS`` (read from
+# ``tuned_tables.json``), and the forward that lesson 11's table names. As there, a
+# path's cost is the slower of its GPU time and the host's time per call, and the sweep
+# ran before this build; the line under the benchmark's table counts the cases where
+# this run's back-to-back times agree with it. The arguments can overrule the tables:
+# ``atomic_dq=False`` asks for the two-pass backward, whose :math:`dQ` has the same bits
+# on every run; ``atomic_dq=True`` for an atomic one (the Gluon kernel where it runs,
+# lesson 07's elsewhere); ``warp_specialized=True`` for the Gluon kernels, forward and
+# backward, and ``False`` for lessons 06 and 07's. A case the tables do not cover runs
+# Gluon where it can, and otherwise the two-pass backward.
 
-# BEGIN tools/tune.py backward paths: written by the sweep; run it again rather than edit these lines.
-# N = 1024, 2048: tools/tune.py attention-paths, 2026-11-26, NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, Triton 3.6.0
-BACKWARD_PATHS = V2.by_bucket({
-    (64, False): ['gluon', 'gluon', 'gluon', 'gluon', 'gluon'],
-    (64, True): ['two-pass', 'two-pass', 'gluon', 'gluon', 'gluon'],
-    (128, False): ['gluon', 'gluon', 'gluon', 'gluon', 'gluon'],
-    (128, True): ['two-pass', 'gluon', 'gluon', 'gluon', 'gluon'],
-})
-# END tools/tune.py backward paths
+BACKWARD_PATHS = FWD.paths_table("backward-paths")
 
 
 def choose_paths(q, k, v, causal, sm_scale, atomic_dq, warp_specialized):
-    """(whether to run the Gluon forward, the backward to run) for this case and these arguments. Whether
-    the Gluon kernels can take the inputs costs host time to find out, so it is asked at most once, for
-    both, and only if the tables or the arguments leave the choice open."""
+    """(whether to run the Gluon forward, the backward to run) for this case and these
+    arguments. Whether the Gluon kernels can take the inputs costs host time to find
+    out, so it is asked at most once, for both, and only if the tables or the
+    arguments leave the choice open."""
     FWD.check_flag("atomic_dq", atomic_dq)
     FWD.check_flag("warp_specialized", warp_specialized)
-    gluon = functools.cache(lambda: FWD.gluon_allowed(q, k, v, warp_specialized, sm_scale))
+    gluon = functools.cache(lambda: FWD.gluon_allowed(q, k, v, warp_specialized,
+                                                      sm_scale))
     return (FWD.forward_choice(q, causal, warp_specialized, gluon),
             backward_path(q, causal, atomic_dq, warp_specialized, gluon))
 
 
 def backward_path(q, causal, atomic_dq, warp_specialized, gluon):
-    """"gluon", "two-pass" or "atomic": the backward to run; gluon() gives gluon_allowed's answer."""
+    """"gluon", "two-pass" or "atomic": the backward to run; gluon() gives
+    gluon_allowed's answer."""
     if atomic_dq is False:
         return "two-pass"
     if warp_specialized or atomic_dq:
@@ -496,31 +497,35 @@ def backward_path(q, causal, atomic_dq, warp_specialized, gluon):
 class _AttentionHopper(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, sm_scale, warp_specialized, path):
-        o = FWD._AttentionHopperForward.forward(ctx, q, k, v, causal, sm_scale, warp_specialized)
         ctx.path = path
-        return o
+        return FWD._AttentionHopperForward.forward(ctx, q, k, v, causal, sm_scale,
+                                                   warp_specialized)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        do = V2.resolved_gradient(do)
+        do = kit.resolved_gradient(do)
         if ctx.path == "gluon":
-            grads = _ws_backward(q, k, v, do, lse, V2_BWD.backward_delta(o, do), ctx.causal, ctx.sm_scale)
+            delta = V2_BWD.backward_delta(o, do)
+            grads = _ws_backward(q, k, v, do, lse, delta, ctx.causal, ctx.sm_scale)
         else:
-            grads = V2_BWD.backward(q, k, v, o, do, lse, ctx.causal, ctx.sm_scale, ctx.path == "atomic")
+            grads = V2_BWD.backward(q, k, v, o, do, lse, ctx.causal, ctx.sm_scale,
+                                    ctx.path == "atomic")
         return *grads, None, None, None, None
 
 
 def attention(q, k, v, causal, sm_scale, atomic_dq=None, warp_specialized=None):
-    """softmax(q k^T * sm_scale) v with the forward and backward that tools/tune.py measured fastest for the case.
+    """softmax(q k^T * sm_scale) v with the forward and backward that tools/tune.py
+    measured fastest for the case.
 
-    ``atomic_dq``: None lets the measurement choose; False runs the two-pass backward (the same bits every
-    run); True an atomic one (Gluon's TMA reductions on Hopper, lesson 07's atomics elsewhere), whose last
-    bits vary from run to run. ``warp_specialized``: None lets the measurement choose; True insists on the
-    Gluon kernels, False asks for lessons 06 and 07's."""
-    V2.check_inputs(q, k, v, causal, sm_scale)
-    q, k, v = V2.resolved(q, k, v)
+    ``atomic_dq``: None lets the measurement choose; False runs the two-pass backward
+    (the same bits every run); True an atomic one (Gluon's TMA reductions on Hopper,
+    lesson 07's atomics elsewhere), whose last bits vary from run to run.
+    ``warp_specialized``: None lets the measurement choose; True insists on the Gluon
+    kernels, False asks for lessons 06 and 07's."""
+    kit.check_attention_inputs(q, k, v, causal, sm_scale)
+    q, k, v = kit.resolved(q, k, v)
     ws, path = choose_paths(q, k, v, causal, sm_scale, atomic_dq, warp_specialized)
     return _AttentionHopper.apply(q, k, v, causal, float(sm_scale), ws, path)
 
@@ -528,60 +533,57 @@ def attention(q, k, v, causal, sm_scale, atomic_dq=None, warp_specialized=None):
 # %%
 # Correctness
 # -----------
-# All three gradients against float64 PyTorch on fresh random inputs, at both head dims, both
-# dtypes, causal and not, and a ragged sequence length.
+# All three gradients against float64 PyTorch on fresh random inputs, at both head dims,
+# both dtypes, causal and not, and a ragged sequence length.
 
 if __name__ == "__main__":
     torch.manual_seed(0)
-    probe = torch.empty(1, 1, 8, 64, dtype=torch.float16, device=DEVICE)
-    reason = FWD.warp_specialized_unsupported(probe, probe, probe)
-    print("The Gluon backward runs here." if reason is None else
-          f"The Gluon backward did not run on this machine: {reason}. The checks and timings below are of the "
-          "portable fallback (lessons 06 and 07's kernels).")
-    # At this length the tables pick lesson 07's kernels in some cases (lesson 07 checks them): insist on Gluon.
-    FWD.check_every_case(functools.partial(attention, warp_specialized=None if reason else True),
-                         "13-hopper-backward-gluon")
+    reason = FWD.say_which_runs("backward", "lessons 06 and 07's kernels")
+    # The tables pick lesson 07's kernels at this length in some cases (lesson 07
+    # checks them): insist on Gluon.
+    checked = functools.partial(attention, warp_specialized=None if reason else True)
+    kit.check_attention_cases(checked, "13-hopper-backward-gluon")
 
 # %%
 # Benchmark
 # ---------
-# The backward pass in TFLOP/s (2.5 times the forward's FLOPs: five products), at lesson 06's
-# sizes, against lesson 07's two-pass backward and SDPA's backends, measured in this run.
+# The backward pass in TFLOP/s (2.5 times the forward's FLOPs: five products), at lesson
+# 06's sizes, against lesson 07's two-pass and atomic backwards and SDPA's backends.
+# **How we time**: as in lesson 11, each provider's GPU time and its time back to back
+# (:doc:`../performance`, "How we time"); a backward is timed alone, as
+# ``torch.autograd.grad`` after one forward. The plot and the verdicts read GPU time.
 
 WS, PORTABLE, ATOMIC = FWD.WS, FWD.PORTABLE, FWD.ATOMIC
 
 
 def backward_providers(q, k, v, causal, D):
-    """The Gluon backward where it runs, and lesson 07's atomic one: the two the table may pick besides the
-    two-pass backward."""
-    providers = V2_BWD.atomic_provider(q, k, v, causal, D)
+    """The Gluon backward where it runs, and lesson 07's atomic one: the two the table
+    may pick besides the two-pass backward."""
+    scale = D**-0.5
+    providers = {(ATOMIC, "bwd"): kit.backward_timer(
+        V2_BWD.attention, q, k, v, causal=causal, sm_scale=scale, atomic_dq=True)}
     if FWD.warp_specialized_unsupported(q, k, v) is None:
-        providers[WS, "bwd"] = functools.partial(attention, causal=causal, sm_scale=D ** -0.5, warp_specialized=True)
+        providers[WS, "bwd"] = kit.backward_timer(
+            attention, q, k, v, causal=causal, sm_scale=scale, warp_specialized=True)
     return providers
 
 
 def default_backward(D, causal, N):
-    """Which provider of this page ``attention`` runs by default for the backward of a (B, H, N, D) fp16 input."""
-    q = torch.empty(1, 1, N, D, dtype=torch.float16, device=DEVICE)
-    path = choose_paths(q, q, q, causal, D ** -0.5, None, None)[1]
+    """Which provider of this page ``attention`` runs by default for the backward of a
+    (B, H, N, D) fp16 input."""
+    q = torch.empty(1, 1, N, D, dtype=torch.float16, device=kit.DEVICE)
+    path = choose_paths(q, q, q, causal, D**-0.5, None, None)[1]
     return {"gluon": WS, "two-pass": PORTABLE, "atomic": ATOMIC}[path]
 
 
 # %%
-# What produced the numbers below (the plots come from the same run):
+# What produced the numbers below, the plot (from the same run), then the table by GPU
+# time:
 
 if __name__ == "__main__":
-    print(V2.describe_platform())
-
-# %%
-
-if __name__ == "__main__":
-    results, table, peak, cases, sizes = FWD.hopper_benchmark("bwd", backward_providers, "Backward pass")
-
-# %%
-# The table, in TFLOP/s:
-
-V2.results_table(results) if __name__ == "__main__" else None
+    print(kit.describe_platform())
+    results, peak = FWD.hopper_benchmark("bwd", backward_providers, "Backward pass")
+kit.rates_table(results, FWD.INDEX, "TFLOP/s") if __name__ == "__main__" else None
 
 # %%
 # Reading the numbers
@@ -589,32 +591,31 @@ V2.results_table(results) if __name__ == "__main__" else None
 # Computed from the table above, in this run.
 
 if __name__ == "__main__":
-    peers = FWD.against_portable(table, peak, "lesson 07's two-pass backward")
-    if V2.ROUNDS > 1:
-        print(V2.spread_summary(results))
-    else:
-        print("These are interpreter timings: they measure NumPy on the CPU, not GPU kernels.")
-    defaults = FWD.default_path(results, table, default_backward, peers, "BACKWARD_PATHS")
-    V2.save_results("13-hopper-backward-gluon", [{
-        "name": "attention backward, " + ("warp-specialized" if WS in table else "no Gluon kernel ran"),
-        "unit": "TFLOP/s", "ceiling_name": V2.V1.CEILING_NAME,
-        "ceiling": peak, "ours": [FWD.DEFAULT] + [c for c in (WS, PORTABLE, ATOMIC) if c in table], "peers": peers,
-        "rows": results.drop(columns="spread").to_dict("records") + defaults}])
+    peers = FWD.against_portable(results, peak, "lesson 07's two-pass backward")
+    print(kit.spread_summary(results) if kit.ON_GPU else
+          "These are interpreter timings: they measure NumPy on the CPU.")
+    defaults = FWD.default_path(results, default_backward, peers, "BACKWARD_PATHS")
+    ran = [c for c in (WS, PORTABLE, ATOMIC) if c in results["provider"].values]
+    kit.save_results("13-hopper-backward-gluon", [{
+        "name": "attention backward, "
+        f"{'warp-specialized' if WS in ran else 'no Gluon kernel ran'}",
+        "unit": "TFLOP/s", "ceiling_name": kit.MATMUL_CEILING, "ceiling": peak,
+        "ours": [FWD.DEFAULT, *ran], "peers": peers,
+        "rows": results.to_dict("records") + defaults}])
 
 # %%
 # The host at the smallest size
 # -----------------------------
-# At the smallest size the host's share of a call is largest, for the reason of lesson 12: a
-# backward call is a few Python launches (two kernels for the two-pass backward; for the atomic and
-# Gluon ones the preprocess, the main kernel, and zeroing and converting the fp32 :math:`dQ`) after
-# PyTorch's autograd engine, and the host's time to enqueue them can exceed the GPU's time to run
-# them. Whether it does is a measurement: the same split as in lesson 12, for each backward at the
-# smallest size, the host's time per call (the fastest of two interleaved rounds) and the GPU's,
-# from the profiler (both include autograd adding each gradient into ``.grad``), and the time per
-# call that the benchmark above measured. Beside them, the host's floor for any backward written in
-# Python: an autograd function whose backward launches nothing and hands back gradients made
-# beforehand. cuDNN's backward is C++ inside PyTorch and pays no such Python round trip. As in
-# lesson 12, the cell sets our ratio to cuDNN by GPU time beside the benchmark's.
+# At the smallest size the host's share of a call is largest, for the reason of lesson
+# 12: a backward call is a few Python launches (two kernels for the two-pass backward;
+# for the atomic and Gluon ones the preprocess, the main kernel, and zeroing and
+# converting the fp32 :math:`dQ`) after PyTorch's autograd engine, and the host's time
+# to enqueue them can exceed the GPU's time to run them. Whether it does is a
+# measurement: lesson 12's ``pacing_rows`` sets each backward's host time, measured now,
+# beside the GPU and back-to-back times the benchmark above measured, and reads them
+# with ``who_paced``. Beside them, the host's floor for any backward written in Python:
+# an autograd function whose backward launches nothing and hands back gradients made
+# beforehand. cuDNN's backward is C++ inside PyTorch and pays no such Python round trip.
 
 
 class _GradientsReady(torch.autograd.Function):
@@ -629,180 +630,200 @@ class _GradientsReady(torch.autograd.Function):
         return ctx.grads
 
 
-if __name__ == "__main__" and ON_GPU:
-    N, write = sizes[0], PROFILE.l2_write_ms()
-    for B, H, D in cases:
+BACKWARD_OF = {"SDPA cuDNN": "SDPA cuDNN", "two-pass": PORTABLE, "atomic": ATOMIC,
+               "Gluon": WS}
+
+
+def backward_calls(q, k, v, causal):
+    """{name: kit.Timer} of the backwards of BACKWARD_OF (Gluon where it runs)."""
+    scale = q.shape[-1] ** -0.5
+    cudnn = kit.sdpa_providers(causal, scale, ["SDPA cuDNN"])["SDPA cuDNN"]
+    calls = {"SDPA cuDNN": kit.backward_timer(cudnn, q, k, v)}
+    for name, atomic in (("two-pass", False), ("atomic", True)):
+        calls[name] = kit.backward_timer(attention, q, k, v, causal=causal,
+                                         sm_scale=scale, atomic_dq=atomic,
+                                         warp_specialized=False)
+    if FWD.warp_specialized_unsupported(q, k, v) is None:
+        calls["Gluon"] = kit.backward_timer(attention, q, k, v, causal=causal,
+                                            sm_scale=scale, warp_specialized=True)
+    return calls
+
+
+if __name__ == "__main__" and kit.ON_GPU:
+    import pandas as pd
+
+    N, hosts = V2.SIZES[0], []
+    for B, H, D in V2.CASES:
         for causal in (False, True):
-            q, k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16, requires_grad=True)
-                       for _ in range(3))
-            scale = D ** -0.5
-            fns = {"SDPA cuDNN": V2.sdpa_providers(causal, scale, ["SDPA cuDNN"])["SDPA cuDNN"],
-                   "two-pass": lambda q, k, v: attention(q, k, v, causal, scale, False, warp_specialized=False),
-                   "atomic": lambda q, k, v: attention(q, k, v, causal, scale, True, warp_specialized=False)}
-            if FWD.warp_specialized_unsupported(q, k, v) is None:
-                fns["Gluon"] = lambda q, k, v: attention(q, k, v, causal, scale, warp_specialized=True)
-            calls = {name: V2.V1.backward_call(fn, q, k, v) for name, fn in fns.items()}
-            host = PROFILE.interleaved_host_ms(calls)
-            gpu = {name: sum(PROFILE.kernel_ms(call).values()) for name, call in calls.items()}
-            ours = min((name for name in fns if name != "SDPA cuDNN"), key=gpu.get)
-            floor = PROFILE.host_ms(V2.V1.backward_call(_GradientsReady.apply, q, k, v))
-            timed = {name: PROFILE.benchmark_ms(results, provider, B, H, N, D, causal, "bwd") for name, provider in
-                     (("SDPA cuDNN", "SDPA cuDNN"), ("two-pass", PORTABLE), ("atomic", ATOMIC), ("Gluon", WS))
-                     if name in fns}
-            by_gpu, by_benchmark = gpu["SDPA cuDNN"] / gpu[ours], timed["SDPA cuDNN"] / timed[ours]
-            print(f"D={D:3d} {'causal    ' if causal else 'non-causal'} N={N}: " + "; ".join(
-                f"{name} host {1e3 * host[name]:.0f} us, GPU {1e3 * gpu[name]:.0f} us, benchmark "
-                f"{1e3 * timed[name]:.0f} us" for name in fns) +
-                f"; a Python backward that launches nothing, host {1e3 * floor:.0f} us. The one with less GPU time "
-                f"({ours}): {by_gpu:.2f}x cuDNN by GPU time, {by_benchmark:.2f}x in the benchmark, with "
-                f"{host[ours] / host['SDPA cuDNN']:.1f}x cuDNN's host time; "
-                + PROFILE.who_paced(by_gpu, by_benchmark, host[ours], gpu[ours], write))
+            q, k, v = (torch.randn(B, H, N, D, device=kit.DEVICE, dtype=torch.float16,
+                                   requires_grad=True) for _ in range(3))
+            hosts += PROFILE.pacing_rows(results, B, H, N, D, causal, "bwd",
+                                         backward_calls(q, k, v, causal), BACKWARD_OF)
+            floor = PROFILE.host_ms(kit.backward_timer(_GradientsReady.apply, q, k, v))
+            print(f"D={D:3d} {'causal    ' if causal else 'non-causal'}: a Python "
+                  f"backward that launches nothing, host {1e3 * floor:.0f} us")
             del q, k, v
+    hosts = pd.DataFrame(hosts).set_index(["D", "causal", "call"])
+    hosts["host, no plans (us)"] = hosts["host, no plans (us)"].astype("Int64")
 elif __name__ == "__main__":
-    print("Launch overhead is a GPU question: under the interpreter every call runs on the host anyway.")
+    print("Launch overhead is a GPU question: under the interpreter every call runs on "
+          "the host anyway.")
+hosts if __name__ == "__main__" and kit.ON_GPU else None
 
 # %%
 # Where the backward's time goes
 # ------------------------------
-# A profile says more than a guess. The CUDA profiler below times each kernel of lesson 07's
-# two-pass backward over a few passes at :math:`D = 128` and the longest sequence of the sweep,
-# and, knowing how many matrix products each kernel executes, gives each kernel's own multiply
-# rate. On Hopper it then profiles the warp-specialized backward the same way, and last SDPA's
-# cuDNN backward, whose longest kernel is counted as five products, as FlashAttention's is. Each
-# kernel's time is the fastest of two profiles of three passes each. One profile alone can be
-# disturbed: in one H100 build of this page it put the warp-specialized kernel at 26.5 ms
-# (:math:`D = 128`, causal), where four profiles in a later probe on an H100 gave 20.7 to 22.7 ms
-# (both recorded in the engineering notes).
+# A profile says more than a guess. The CUDA profiler below times each kernel of lesson
+# 07's two-pass backward over a few passes at :math:`D = 128` and the longest sequence
+# of the sweep, and, knowing how many matrix products each kernel executes, gives each
+# kernel's own multiply rate. On Hopper it then profiles the warp-specialized backward
+# the same way, and last SDPA's cuDNN backward, whose longest kernel is counted as five
+# products, as FlashAttention's is. Each kernel's time is the fastest of a few profiles
+# of three passes each, since one profile alone can be disturbed.
 
-BACKWARD_PRODUCTS = {"attn_bwd_preprocess_kernel": 0, "attn_bwd_dkdv_kernel": 4, "attn_bwd_dq_kernel": 3,
-                     "attn_bwd_ws_kernel": 5}
+BACKWARD_PRODUCTS = {"attn_bwd_preprocess_kernel": 0, "attn_bwd_dkdv_kernel": 4,
+                     "attn_bwd_dq_kernel": 3, "attn_bwd_ws_kernel": 5}
 
 
-def backward_kernel_ms(fn, q, k, v, passes=3):
-    """{kernel name: GPU milliseconds per backward pass} of every kernel that fn's backward runs, autograd's
-    additions into .grad included (lesson 12's profiler): per kernel, the fastest of ROUNDS profiles, as the
-    benchmark keeps the fastest of its timings."""
-    call = V2.V1.backward_call(fn, q, k, v)
-    profiles = [PROFILE.kernel_ms(call, passes) for _ in range(V2.ROUNDS)]  # the first call tunes, unprofiled
-    return {name: min(profile.get(name, float("inf")) for profile in profiles) for name in profiles[0]}
+def backward_kernel_ms(fn, q, k, v, passes=3, **kwargs):
+    """{kernel name: GPU milliseconds per backward pass} of every kernel that fn's
+    backward runs (kit.kernel_ms, the profiler): per kernel, the fastest of kit.PASSES
+    profiles, as the benchmark keeps the fastest of its timings."""
+    timer = kit.backward_timer(fn, q, k, v, **kwargs)
+    with timer.context():
+        call = timer.make()
+        profiles = [kit.kernel_ms(call, passes) for _ in range(kit.PASSES)]
+    return {name: min(p.get(name, float("inf")) for p in profiles)
+            for name in profiles[0]}
 
 
 def profile_backward(B, H, N, D, causal, peak):
-    """Print where the GPU time of each backward goes, kernel by kernel, with each kernel's multiply rate as a
-    fraction of peak (TFLOP/s)."""
-    q, k, v = (torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16, requires_grad=True) for _ in range(3))
-    per_product = 2 * B * H * N * N * D * (0.5 if causal else 1.0)  # about half the blocks when causal
-    two_pass = backward_kernel_ms(lambda q, k, v: V2_BWD.attention(q, k, v, causal, D ** -0.5), q, k, v)
+    """Print where the GPU time of each backward goes, kernel by kernel, with each
+    kernel's multiply rate as a fraction of peak (TFLOP/s)."""
+    q, k, v = (torch.randn(B, H, N, D, device=kit.DEVICE, dtype=torch.float16,
+                           requires_grad=True) for _ in range(3))
+    per_product = 2 * B * H * N * N * D * (0.5 if causal else 1.0)  # about half, causal
+    scale = D**-0.5
+    two_pass = backward_kernel_ms(V2_BWD.attention, q, k, v, causal=causal,
+                                  sm_scale=scale)
     times = {name: ms for name, ms in two_pass.items() if name in BACKWARD_PRODUCTS}
     total = sum(times.values())
-    print(f"two-pass backward, {'causal' if causal else 'non-causal'}, D={D}, N={N}: {total:.2f} ms of GPU time")
+    print(f"two-pass backward, {'causal' if causal else 'non-causal'}, D={D}, N={N}: "
+          f"{total:.2f} ms of GPU time")
     rates = {}
     for name, ms in times.items():
         line = f"    {name:27} {ms:7.2f} ms ({ms / total:4.0%})"
         if BACKWARD_PRODUCTS[name]:
             rates[name] = BACKWARD_PRODUCTS[name] * per_product / ms * 1e-9
-            line += f", {BACKWARD_PRODUCTS[name]} products at {rates[name]:.0f} TFLOP/s ({rates[name] / peak:.0%})"
+            line += (f", {BACKWARD_PRODUCTS[name]} products at {rates[name]:.0f} "
+                     f"TFLOP/s ({rates[name] / peak:.0%})")
         print(line)
-    print(f"    recomputing S and dP in the dQ pass takes about "
-          f"{2 / 3 * times['attn_bwd_dq_kernel'] / total:.0%} of the backward's GPU time")
-    cudnn = backward_kernel_ms(V2.sdpa_providers(causal, D ** -0.5, ["SDPA cuDNN"])["SDPA cuDNN"], q, k, v)
+    print("    recomputing S and dP in the dQ pass takes about "
+          f"{2 / 3 * times['attn_bwd_dq_kernel'] / total:.0%} of the backward's GPU "
+          "time")
+    cudnn_fn = kit.sdpa_providers(causal, scale, ["SDPA cuDNN"])["SDPA cuDNN"]
+    cudnn = backward_kernel_ms(cudnn_fn, q, k, v)
     cudnn_main = max(cudnn.values())
     cudnn_rate = 5 * per_product / cudnn_main * 1e-9
     gluon_runs = FWD.warp_specialized_unsupported(q, k, v) is None
     if gluon_runs:
-        every = backward_kernel_ms(lambda q, k, v: attention(q, k, v, causal, D ** -0.5, warp_specialized=True),
-                                   q, k, v)
+        every = backward_kernel_ms(attention, q, k, v, causal=causal, sm_scale=scale,
+                                   warp_specialized=True)
         main = every["attn_bwd_ws_kernel"]
         rate = 5 * per_product / main * 1e-9
-        print(f"    the warp-specialized backward: attn_bwd_ws_kernel {main:.2f} ms, 5 products at {rate:.0f} TFLOP/s "
-              f"({rate / peak:.0%}); {sum(every.values()) - main:.2f} ms in the other kernels of the call")
+        print(f"    the warp-specialized backward: attn_bwd_ws_kernel {main:.2f} ms, 5 "
+              f"products at {rate:.0f} TFLOP/s ({rate / peak:.0%}); "
+              f"{sum(every.values()) - main:.2f} ms in the other kernels of the call")
         if sum(every.values()) >= sum(two_pass.values()):
-            print("    in this profile the warp-specialized backward took no less GPU time than the two-pass one, "
-                  "all kernels of both calls counted")
+            print("    in this profile the warp-specialized backward took no less GPU "
+                  "time than the two-pass one, all kernels of both calls counted")
+        elif rate < min(rates.values()):
+            print("    the warp-specialized kernel multiplies more slowly than either "
+                  "two-pass kernel: its whole gain is the two products it skips")
+        elif rate > max(rates.values()):
+            print("    the warp-specialized kernel multiplies faster than either "
+                  "two-pass kernel: part of its gain is the schedule")
         else:
-            if rate < min(rates.values()):
-                verdict = "more slowly than either two-pass kernel: its whole gain is the two products it skips"
-            elif rate > max(rates.values()):
-                verdict = "faster than either two-pass kernel: part of its gain is the schedule"
-            else:
-                verdict = "between the two two-pass kernels"
-            print(f"    the warp-specialized kernel multiplies {verdict}")
-    print(f"    SDPA cuDNN's backward: its longest kernel {cudnn_main:.2f} ms, as 5 products {cudnn_rate:.0f} TFLOP/s "
-          f"({cudnn_rate / peak:.0%}); {sum(cudnn.values()) - cudnn_main:.2f} ms in the other kernels of the call")
+            print("    the warp-specialized kernel multiplies between the two two-pass "
+                  "kernels")
+    print(f"    SDPA cuDNN's backward: its longest kernel {cudnn_main:.2f} ms, as 5 "
+          f"products {cudnn_rate:.0f} TFLOP/s ({cudnn_rate / peak:.0%}); "
+          f"{sum(cudnn.values()) - cudnn_main:.2f} ms in the other kernels of the call")
     if gluon_runs:
-        print(f"    the warp-specialized kernel multiplies at {rate / cudnn_rate:.0%} of the rate of cuDNN's longest "
-              "kernel")
+        print(f"    the warp-specialized kernel multiplies at {rate / cudnn_rate:.0%} "
+              "of the rate of cuDNN's longest kernel")
 
 
-if __name__ == "__main__" and ON_GPU:
-    B, H, D = cases[-1]
+if __name__ == "__main__" and kit.ON_GPU:
+    B, H, D = V2.CASES[-1]
     for causal in (False, True):
-        profile_backward(B, H, sizes[-1], D, causal, peak)
+        profile_backward(B, H, V2.SIZES[-1], D, causal, peak)
 elif __name__ == "__main__":
-    print("The profile of the backward's kernels needs a GPU: under the interpreter there are no GPU kernels to time.")
+    print("The profile of the backward's kernels needs a GPU: under the interpreter "
+          "there are no GPU kernels to time.")
 
 # %%
-# The percentages are of the matrix-multiply rate measured above. If the warp-specialized kernel
-# multiplies more slowly than the two-pass kernels, its whole gain is the two products it does not
-# execute, and its schedule still has room; if it multiplies faster, part of its gain is the
-# schedule. The last lines set it beside cuDNN, whose call also runs small kernels around its main
-# one (ours: :math:`\Delta`, zeroing and converting :math:`dQ`; both: autograd's additions into
-# ``.grad``). Where those take about as long as cuDNN's and our main kernel multiplies more slowly
-# than cuDNN's, the gap to cuDNN lies inside the main kernel, not in the launches around it.
-# Where the main kernel trails cuDNN's (the table above says where, in this run), the gap is not in
-# its remaining spills. Two measurements from an H100 outside this build (the
-# engineering notes, 2026-11-25), at :math:`D = 128`: a variant that makes :math:`dQ` in
-# 32-column pieces, one after the other, cut the local memory that spills take from 168 to 16
-# bytes per thread (104 to 8 with the mask) and ran 0.97x to 1.02x as fast as this kernel; and
-# Nsight Compute, at :math:`N = 4096`, found the tensor cores busy in 60% of this kernel's cycles
-# against 66% of cuDNN's main kernel's (53% against 62% with the mask). So the gap is in the
-# schedule, in time the products spend waiting, which those counters do not divide further. Both
-# were measured before the change to waiting for :math:`S^T` alone (in the list of what decided
-# this kernel's speed), which took 1% to 5% off the kernel's time at :math:`D = 128`.
-# The engineering notes list the variants of the schedule that measured slower: a third pipeline
-# stage, double-buffered :math:`dQ` staging tiles, and each group summing :math:`dQ` over its own keys.
+# The percentages are of the matrix-multiply rate measured above. If the
+# warp-specialized kernel multiplies more slowly than the two-pass kernels, its whole
+# gain is the two products it does not execute, and its schedule still has room; if it
+# multiplies faster, part of its gain is the schedule. The last lines set it beside
+# cuDNN, whose call also runs small kernels around its main one (ours: :math:`\Delta`,
+# zeroing and converting :math:`dQ`). Where those take about as long as cuDNN's and our
+# main kernel multiplies more slowly than cuDNN's, the gap to cuDNN lies inside the main
+# kernel, not in the launches around it. The engineering notes record what was measured
+# inside it, and the variants of the schedule that were tried and dropped: a third
+# pipeline stage, double-buffered :math:`dQ` staging tiles, each group summing
+# :math:`dQ` over its own keys, and a :math:`dQ` made in 32-column pieces.
 #
 # Exercises
 # ---------
 # 1. **Which query blocks need the mask.** A backward program owns keys ``start_n`` to
-#    ``start_n + block_n - 1`` and, with causal masking, walks query blocks of ``block_m`` rows from
-#    the first that can see any of its keys. Write ``query_block_range(start_n, block_n, block_m,
-#    n)`` returning ``(first, unmasked_from, last)``: the first query block it walks, the first
-#    that needs no causal mask (``last`` when every block it walks needs the mask), and one past
-#    the last. Blocks are full width, as in the kernel: keys and queries past ``n`` count as
-#    present. Block sizes are powers of two, but either block may be the larger: the kernel's own
-#    ``first + BLOCK_N // BLOCK_M`` holds only where ``BLOCK_M`` divides ``BLOCK_N``. Then
-#    ``check_query_block_range(query_block_range)``.
+#    ``start_n + block_n - 1`` and, with causal masking, walks query blocks of
+#    ``block_m`` rows from the first that can see any of its keys. Write
+#    ``query_block_range(start_n, block_n, block_m, n)`` returning ``(first,
+#    unmasked_from, last)``: the first query block it walks, the first that needs no
+#    causal mask (``last`` when every block it walks needs the mask), and one past the
+#    last. Blocks are full width, as in the kernel: keys and queries past ``n`` count as
+#    present. Block sizes are powers of two, but either block may be the larger: the
+#    kernel's own ``first + BLOCK_N // BLOCK_M`` holds only where ``BLOCK_M`` divides
+#    ``BLOCK_N``. Then ``check_query_block_range(query_block_range)``.
 # 2. **Counting products.** Write ``products_per_block_pair(atomic_dq)`` for lesson 07's
-#    backward: how many matrix products one (key block, query block) pair costs with and without
-#    atomic :math:`dQ`, counting the :math:`dQ` pass's. Then ``check_products(products_per_block_pair)``.
+#    backward: how many matrix products one (key block, query block) pair costs with and
+#    without atomic :math:`dQ`, counting the :math:`dQ` pass's. Then
+#    ``check_products(products_per_block_pair)``.
 
 
 def check_query_block_range(fn):
-    """Your query_block_range against the causal mask itself, over many block sizes and lengths. Blocks are
-    full width, as in the kernel: keys and queries past n count as present (the loads give zeros)."""
+    """Your query_block_range against the causal mask itself, over many block sizes and
+    lengths. Blocks are full width, as in the kernel: keys and queries past n count as
+    present (the loads give zeros)."""
     for block_n in (32, 64, 128):
         for block_m in (16, 32, 64, 128):
             for n in (1, 63, 64, 200, 517):
-                last = triton.cdiv(n, block_m)
+                last = -(-n // block_m)
                 for start_n in range(0, n, block_n):
                     keys = torch.arange(start_n, start_n + block_n)[:, None]
-                    rows = [torch.arange(b * block_m, (b + 1) * block_m)[None, :] for b in range(last)]
+                    rows = [torch.arange(b * block_m, (b + 1) * block_m)[None, :]
+                            for b in range(last)]
                     sees = [b for b in range(last) if (keys <= rows[b]).any()]
                     free = [b for b in sees if (keys <= rows[b]).all()]
                     want = (sees[0], free[0] if free else last, last)
                     got = tuple(fn(start_n, block_n, block_m, n))
                     if got != want:
-                        raise AssertionError(f"start_n={start_n}, block_n={block_n}, block_m={block_m}, n={n}: "
-                                             f"expected (first, unmasked_from, last) = {want}, got {got}")
+                        raise AssertionError(
+                            f"start_n={start_n}, block_n={block_n}, block_m={block_m}, "
+                            f"n={n}: expected (first, unmasked_from, last) = {want}, "
+                            f"got {got}")
     print("query_block_range is right for every block size and length tried.")
 
 
 def check_products(fn):
     """Your products_per_block_pair against the lesson's kernels."""
     for atomic, want in ((False, 7), (True, 5)):
-        if fn(atomic) != want:
-            raise AssertionError(f"with atomic_dq={atomic} a block pair costs {want} products: "
-                                 + ("S^T, dP^T, dV, dK and dQ in one program" if atomic else
-                                    "4 in the dK, dV pass (S^T, dP^T, dV, dK) and 3 in the dQ pass (S, dP, dQ)"))
+        got = fn(atomic)
+        if got != want:
+            raise AssertionError(
+                f"with atomic_dq={atomic} a block pair does not cost {got} products: "
+                "count the matrix products of each kernel the backward runs, in "
+                "lesson 07")
     print("products_per_block_pair counts both backward passes right.")

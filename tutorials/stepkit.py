@@ -235,6 +235,27 @@ def _profiled_ms(fn, flush, calls):
     return total / calls / 1e3
 
 
+def kernel_ms(fn, calls=20):
+    """{kernel name: GPU milliseconds per call of fn}, from the CUDA profiler,
+    after one call outside it: where a call's time goes, kernel by kernel."""
+    import warnings
+
+    fn()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the profiler's own set-up
+        activities = [torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as profile:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+    return {
+        e.key: e.self_device_time_total / calls / 1e3
+        for e in profile.key_averages()
+        if e.self_device_time_total > 0
+    }
+
+
 def gpu_ms(fn, flush, replays):
     """(median GPU milliseconds of fn over replays, method): the call captured
     in a CUDA graph and replayed after an L2 flush, events around each replay;
@@ -489,6 +510,42 @@ def plot_style():
     )
 
 
+def plot_rates(table, ceiling, ceiling_label, ylabel, title, ours=(), log_y=False):
+    """One figure: each provider (a column of table) against the table's index
+    on a log2 axis, the ceiling dashed, the legend below the axes (inside, it
+    would hide the ceiling or the curves near it)."""
+    import matplotlib.pyplot as plt
+
+    plot_style()
+    fig, ax = plt.subplots(figsize=(8, 4.4))
+    for name in table.columns:
+        color, marker = style(name, ours)
+        ax.plot(table.index, table[name], color=color, marker=marker, label=name)
+    ax.axhline(ceiling, color="black", linestyle="--", label=ceiling_label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(table.index), [str(x) for x in table.index])
+    ax.minorticks_off()
+    ax.set(title=title, xlabel=table.index.name, ylabel=ylabel)
+    if log_y:
+        ax.set_yscale("log")
+    else:
+        ax.set_ylim(0, None)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def back_to_back_gaps(results, limit=SPREAD_LIMIT):
+    """The rows of a benchmark whose back-to-back rate differs from their rate
+    by GPU time by more than limit, with that ratio as "b2b_ratio" (none under
+    the interpreter, which has no GPU time): where calls made in a row go at
+    another pace than the GPU's, the host's launches, say."""
+    if "gpu_value" not in results:
+        return results.iloc[:0].assign(b2b_ratio=[])
+    ratio = results["value"] / results["gpu_value"]
+    return results.assign(b2b_ratio=ratio)[(ratio - 1).abs() > limit]
+
+
 # -- Input handling ----------------------------------------------------------
 
 
@@ -510,6 +567,25 @@ def check_device(name, t):
             f"{name} is on device '{t.device}', but Triton runs these "
             f"kernels on '{DEVICE.type}' here"
         )
+
+
+MAX_BLOCK = 2**20  # the most elements Triton allows in one block
+
+
+def check_block(name, value, largest=MAX_BLOCK):
+    """Refuse, by name, a block size that is not a power of two from 1 to largest."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int (a power of two), got {value!r}")
+    if not 1 <= value <= largest or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two, 1 to {largest}, got {value}")
+
+
+def check_warps(value):
+    """Refuse a warp count Triton cannot launch (a power of two up to 32)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"num_warps must be an int, got {value!r}")
+    if value not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"num_warps must be a power of two, 1 to 32, got {value}")
 
 
 # -- Exercise checks -----------------------------------------------------------
@@ -557,6 +633,108 @@ def expect_unchanged(exercise, case, name, before, after):
             f"{exercise} on {case}: the function changed its input "
             f"{name}; it must leave it as it was"
         )
+
+
+# -- Row-wise kernels (the softmax lessons): benchmark, plot, inputs -----------
+
+SAME_BYTES = "copy of the same bytes"  # a provider: x copied into a tensor like it
+
+
+def compiled_for(fn, x):
+    """torch.compile(fn), compiled now for x's shape alone, outside any timing.
+    Dynamo's caches are reset first: a benchmark over many shapes would
+    otherwise reach its recompile limit and fall back to eager PyTorch."""
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, dynamic=False)
+    compiled(x)
+    return compiled
+
+
+def bandwidth_benchmark(M, sizes, dtypes, providers):
+    """GB/s of each provider of providers(x), {name: fn}, timing fn(x) on x of
+    M x N random values, at every dtype and row length N in sizes; GB/s counts
+    x's bytes twice, read once and written once. Each case is timed on its own
+    (time_calls): a peer compiled for its shape lives only while it is timed.
+
+    Returns (results, gpu, b2b): the rows as a DataFrame, and two tables of
+    rates, index (dtype, N) and a column per provider, by GPU time and back to
+    back (under the interpreter, both back to back)."""
+    import pandas as pd
+
+    rows = []
+    for dtype, N in itertools.product(dtypes, sizes):
+        x = torch.randn(M, N, device=DEVICE, dtype=dtype)
+        timers = {name: call_timer(fn, x) for name, fn in providers(x).items()}
+        work = 2 * x.numel() * x.element_size() * 1e-6  # GB per ms: GB/s
+        for name, m in time_calls(timers).items():
+            rows.append(dict(dtype=str(dtype)[6:], N=N, provider=name, **m.row(work)))
+        del x, timers
+    results = pd.DataFrame(rows)
+    tables = (
+        results.pivot_table(v, index=["dtype", "N"], columns="provider", sort=False)
+        for v in ("gpu_value" if ON_GPU else "value", "value")
+    )
+    return (results, *tables)
+
+
+def plot_bandwidth(table, ceiling, title, ours=()):
+    """One panel per dtype of a table of GB/s (index (dtype, N), a column per
+    provider): each provider against N in its colour, the copy of the same
+    bytes dotted, the device's copy bandwidth (ceiling) dashed behind them."""
+    import matplotlib.pyplot as plt
+
+    plot_style()
+    dtypes = list(dict.fromkeys(table.index.get_level_values("dtype")))
+    fig, axes = plt.subplots(
+        1, len(dtypes), figsize=(8, 4.8), sharey=True, squeeze=False
+    )
+    for ax, dtype in zip(axes[0], dtypes):
+        part = table.xs(dtype, level="dtype")
+        ax.axhline(ceiling, color="black", linestyle="--", linewidth=1, zorder=1)
+        for name in part.columns:
+            color, marker = style(name, ours)
+            line = ":" if name == SAME_BYTES else "-"
+            ax.plot(
+                part.index,
+                part[name],
+                line,
+                color=color,
+                marker=marker,
+                markersize=4,
+                label=name,
+                zorder=3 if name in ours else 2,
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(part.index), [str(n) for n in part.index], rotation=45)
+        ax.minorticks_off()
+        ax.set(title=dtype, xlabel="N (row length)", ylim=(0, None))
+    axes[0, 0].set_ylabel("GB/s")
+    axes[0, 0].plot([], [], "k--", linewidth=1, label="copy bandwidth (large buffer)")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, frameon=False)
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.05 + 0.045 * ((len(labels) + 2) // 3), 1, 1))
+    return fig
+
+
+def irregular_rows(scale):
+    """Fresh inputs for an exercise check: (case, leaf, view) for every dtype of
+    TOLERANCE and irregular shape, the input being view(leaf): the leaf itself,
+    a column slice or a transposed view, of random values times scale. Row 0 of
+    the input is shifted up by 100, past e^x's range in fp32 and fp16, so that
+    a softmax must subtract the row's maximum."""
+    generator = fresh_generator()
+    shapes = [(1, 1), (1, 300), (7, 1), (5, 257), (37, 100)]
+    cases = [(f"{M}x{N}", (M, N), lambda t: t) for M, N in shapes]
+    cases += [
+        ("13x200 column slice", (13, 300), lambda t: t[:, 7:207]),
+        ("90x11 transposed view", (11, 90), lambda t: t.t()),
+    ]
+    for dtype in TOLERANCE:
+        for name, shape, view in cases:
+            leaf = (torch.randn(shape, generator=generator) * scale).to(DEVICE, dtype)
+            view(leaf)[0] += 100
+            yield f"{name} {str(dtype)[6:]}", leaf, view
 
 
 # -- Attention: inputs, reference, checks ------------------------------------
@@ -715,6 +893,34 @@ def forward_and_backward(attention_fn, q, k, v, causal, sm_scale):
     torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
 
 
+def check_attention_cases(attention_fn, label, head_dims=(64, 128)):
+    """check_against_float64 of attention_fn on fresh (2, 3, N, D) inputs at every
+    head dim of head_dims, dtype of ATTENTION_DTYPES and masking, at a length no
+    block size divides (1,000 on a GPU), all compiled ahead first; prints each
+    case's errors (the Hopper lessons' checks)."""
+    N, cases = (1000 if ON_GPU else 65), {}
+    for D, dtype, causal in itertools.product(
+        head_dims, ATTENTION_DTYPES, (False, True)
+    ):
+        cases[D, dtype, causal] = [
+            torch.randn(2, 3, N, D, device=DEVICE, dtype=dtype) for _ in range(3)
+        ]
+    compile_ahead(
+        lambda: [
+            forward_and_backward(attention_fn, *qkv, causal, D**-0.5)
+            for (D, _, causal), qkv in cases.items()
+        ]
+    )
+    for (D, dtype, causal), (q, k, v) in cases.items():
+        case = f"{label}, D={D}, {dtype}, causal={causal}"
+        tolerance = 1e-2 if dtype == torch.float16 else 3e-2
+        errors = check_against_float64(
+            attention_fn, q, k, v, causal, D**-0.5, case, tolerance=tolerance
+        )
+        shown = ", ".join(f"{n} {e:.1e}" for n, e in errors.items())
+        print(f"{case}, N={N}: {shown}")
+
+
 # -- Attention: launching and compiling ahead ----------------------------------
 
 
@@ -751,7 +957,7 @@ def compile_ahead(calls):
     from concurrent.futures import ThreadPoolExecutor
 
     start = time.perf_counter()
-    with ThreadPoolExecutor(os.cpu_count()) as pool:
+    with ThreadPoolExecutor(len(os.sched_getaffinity(0))) as pool:
         mode = AsyncCompileMode(pool, ignore_errors=True)
         _CompileOnly.active = True
         try:
@@ -848,8 +1054,8 @@ def attention_benchmark(cases, sizes, providers, modes, extra_providers=None):
     kernels, seconds = compile_ahead(call_each_once)
     if kernels:
         print(
-            f"Compiled ahead: {kernels} kernels on {os.cpu_count()} threads "
-            f"in {seconds:.1f} s"
+            f"Compiled ahead: {kernels} kernels on "
+            f"{len(os.sched_getaffinity(0))} threads in {seconds:.1f} s"
         )
     rows = []
     for ((B, H, D, causal, N), (name, mode)), m in measure(each_case).items():
@@ -919,6 +1125,67 @@ def rates_table(results, index, unit, value="gpu_value"):
     )
     table.columns.name = unit
     return table.fillna("")
+
+
+def rate_tables(results, index):
+    """(by GPU time, back to back): the benchmark's rates as two tables of
+    numbers, one column per provider; both the back-to-back one where there is
+    no GPU time (under the interpreter)."""
+
+    def pivot(column):
+        return results.pivot_table(
+            index=list(index), columns="provider", values=column, sort=False
+        )
+
+    b2b = pivot("value")
+    return (pivot("gpu_value") if "gpu_value" in results else b2b), b2b
+
+
+def back_to_back_note(gpu, b2b, ours, peers):
+    """A clause for a conclusion read by GPU time (gpu: rates of some cases, a
+    column per provider), where back to back (b2b: the same cases) tells
+    otherwise: ours slower than by GPU time past SPREAD_LIMIT (the host paced
+    it), or its ratio to the fastest peer moved past it. "" where neither."""
+    if gpu is b2b:
+        return ""
+    slower = gpu[ours] / b2b[ours]
+    by_gpu = gpu[ours] / gpu[list(peers)].max(axis=1)
+    ratio = b2b[ours] / b2b[list(peers)].max(axis=1)
+    paced = slower > 1 + SPREAD_LIMIT
+    moved = (ratio / by_gpu - 1).abs() > SPREAD_LIMIT
+    if not (paced | moved).any():
+        return ""
+    note = f"; back to back {ratio.min():.2f}x to {ratio.max():.2f}x"
+    if paced.any():
+        lengths = ", ".join(str(n) for n in paced[paced].index.get_level_values("N"))
+        note += (
+            f", at N = {lengths} up to {slower.max():.1f}x slower than by GPU "
+            "time (the host paced it)"
+        )
+    return note
+
+
+def peer_lines(table, b2b, peak, ours, peers, versus=None, name="ours"):
+    """{(D, causal, mode): a line}: ours (a column of table, TFLOP/s by GPU time;
+    shown as name) against the fastest of peers, its best fraction of the ceiling
+    peak, against versus where that ran, and back_to_back_note from b2b (the
+    same cases, back to back)."""
+    lines = {}
+    for (D, causal, mode), part in table.groupby(
+        level=["D", "causal", "mode"], sort=False
+    ):
+        ratio = part[ours] / part[list(peers)].max(axis=1)
+        line = (
+            f"D={D:3d} {'causal    ' if causal else 'non-causal'} {mode}: {name} is "
+            f"{ratio.min():.2f}x to {ratio.max():.2f}x the fastest SDPA backend, "
+            f"up to {part[ours].max() / peak:.0%} of the matmul rate"
+        )
+        if versus is not None and versus in part:
+            other = part[ours] / part[versus]
+            line += f"; {other.min():.1f}x to {other.max():.1f}x {versus}"
+        note = back_to_back_note(part, b2b.loc[part.index], ours, peers)
+        lines[D, causal, mode] = line + note
+    return lines
 
 
 def spread_summary(results):

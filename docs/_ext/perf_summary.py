@@ -3,9 +3,9 @@ tutorials measured in this same build.
 
 The results contract
 --------------------
-Each tutorial that benchmarks, when run by the build, calls ``save_results(tutorial, benchmarks)``,
-which writes ``<TUTORIAL_RESULTS_DIR>/<tutorial>.json``; this is the one description of that file,
-and ``validate_record`` checks it on every load::
+Each tutorial that benchmarks, when run by the build, calls ``save_results(tutorial, benchmarks)``
+(``tutorials/stepkit.py``), which writes ``<TUTORIAL_RESULTS_DIR>/<tutorial>.json``; this is the one
+description of that file, and ``validate_record`` checks it on every load::
 
     {"tutorial": str,          # the lesson's file name without .py, and the JSON's own file name
      "platform": str,          # what produced the numbers, as the lesson prints it
@@ -13,28 +13,44 @@ and ``validate_record`` checks it on every load::
      "date": "YYYY-MM-DD",     # the day of the measurements
      "benchmarks": [           # at least one
         {"name": str,          # the benchmark, as the page names it
-         "unit": str,          # of every value and of the ceiling, e.g. "GB/s", "TFLOP/s"
+         "unit": str,          # of every value and of the ceiling: a rate, higher is faster ("GB/s", ...)
          "ceiling_name": str,  # what the device ceiling is, e.g. "copy bandwidth"
          "ceiling": float,     # the ceiling measured in the same run: finite and > 0
          "ceiling_per_case": str,  # optional: a provider measured at every case (a copy of the same
-                                   # bytes, say) whose value there is that case's ceiling instead
+                                   # bytes, say) whose rate there is that case's ceiling instead
          "ours": [str, ...],   # the providers that are this tutorial's kernels (at least one)
          "peers": [str, ...],  # the providers they are compared with (may be empty)
          "rows": [             # one per provider and case; other providers are allowed and ignored
-            {"provider": str, "value": float > 0, or null or NaN (not measured),
+            {"provider": str,
+             "value": float > 0, or null or NaN (not measured),  # back to back (see below)
+             "gpu_value": float > 0, or null or NaN,  # GPU time, as a rate in the same unit: on a GPU
+                                                      # only, and there in every row of ours, of a peer
+                                                      # and of ceiling_per_case
+             "spread": float >= 0, or null or NaN,    # optional: how far the timings of value spread
+             "gpu_spread": float >= 0, or null or NaN,  # optional, on a GPU only: the same for gpu_value
+             "gpu_method": "CUDA graph" or "profiler",  # optional, on a GPU only: how GPU time was taken
              <case column>: str, int, float or bool, ...},   # the same columns, of the same types, in
             ...]}]}                                           # every row; one row per provider and case
+
+``stepkit.Measured.row(work)`` gives a row's measured fields. The two rates come from the two timings
+of the lessons' one method (the performance page's section "How we time", and stepkit's docstring):
+``gpu_value`` from GPU time (the call replayed from a CUDA graph after an L2 flush, or the profiler's
+kernel times where the call cannot be captured, which ``gpu_method`` names), ``value`` from calls
+enqueued back to back (under the interpreter, the fastest of three wall-clock runs). A spread is the
+slowest timing over the fastest, less 1; the rate is the fastest. None of these fields is a case column.
 
 Every provider of ``ours`` and ``peers`` has rows, and none is in both lists; ``ceiling_per_case``, when
 given, has rows too and is in neither.
 
-For every kernel of ours, the page gives its best and worst ratio to the strongest peer measured at
-the same case, and its best and worst fraction of the device ceiling measured in the same run (or of
-the case's own ceiling, where the benchmark names one), with the range of each device ceiling that
-several benchmarks divide by; then, for every benchmark, its ceiling
-and a table with the same two quantities at each case.
-Each quantity has one format wherever the page shows it: ``format_ratio``, ``format_fraction`` and
-``format_rate`` (the ceiling).
+For every kernel of ours, the page gives its best and worst ratio to the strongest peer measured at the
+same case, by GPU time and back to back, and its best and worst fraction of the device ceiling measured
+in the same run (or of the case's own ceiling, where the benchmark names one), by GPU time on a GPU,
+with the range of each device ceiling that several benchmarks divide by; then, for every benchmark, its
+ceiling, which providers' GPU time came from the profiler, and a table with the same quantities at each
+case and kernel, and which limit binds there: the host where back to back takes longer than GPU time by
+more than the timings' spread, else the GPU. A ratio whose timings spread past ``SPREAD_LIMIT`` shows as
+a range. Each quantity has one format wherever the page shows it: ``format_ratio`` (or
+``format_ratio_range``), ``format_fraction`` and ``format_rate`` (the ceiling).
 """
 
 import datetime
@@ -44,6 +60,7 @@ import os
 import re
 import subprocess
 from pathlib import Path
+from typing import NamedTuple
 
 from docutils import nodes
 from docutils.parsers.rst import Directive
@@ -55,6 +72,14 @@ BENCHMARK_FIELDS = {"name": str, "unit": str, "ceiling_name": str, "ceiling": fl
 OPTIONAL_BENCHMARK_FIELDS = {"ceiling_per_case": str}
 KINDS = {str: "text", bool: "true or false", list: "a list", float: "a number"}
 CASE_TYPES = (str, int, float, bool)
+# A row's fields that are no case column: what was measured, and how.
+RATES = ("value", "gpu_value")
+SPREADS = ("spread", "gpu_spread")
+GPU_FIELDS = ("gpu_value", "gpu_spread", "gpu_method")
+MEASURED = ("provider", *RATES, *SPREADS, "gpu_method")
+GPU_METHODS = ("CUDA graph", "profiler")
+# Timings further apart than this are shown as a range: stepkit.SPREAD_LIMIT (a test keeps them alike).
+SPREAD_LIMIT = 0.10
 
 
 def _is_number(value):
@@ -107,6 +132,35 @@ def _columns_text(columns):
     return "(" + ", ".join(f"{name}: {kind.__name__}" for name, kind in sorted(columns.items())) + ")"
 
 
+def _check_measured(row, at, on_gpu, compared):
+    """The measured fields of one row: rates, spreads and the GPU method. `compared`: the row is one of
+    ours, a peer's or the per-case ceiling's, which on a GPU must carry GPU time."""
+    if not on_gpu:
+        for name in GPU_FIELDS:
+            if name in row:
+                raise ValueError(f"{at}.{name}: GPU time in a record made without a GPU (on_gpu is false)")
+    elif compared and "gpu_value" not in row:
+        raise ValueError(f"{at}.gpu_value: missing (on a GPU every row of ours, of a peer and of the "
+                         "per-case ceiling carries GPU time)")
+    for name in (*RATES, *SPREADS):
+        if name not in row:
+            continue
+        value, rate = row[name], name in RATES
+        if value is not None and not _is_number(value):
+            raise ValueError(f"{at}.{name}: expected a number or null, got {value!r}")
+        if value is None or value != value:  # null or NaN: not measured
+            continue
+        if rate and not _is_finite_positive(value):
+            raise ValueError(f"{at}.{name}: expected a finite number > 0 (or null or NaN: not measured), "
+                             f"got {value!r}")
+        if not rate and not (_is_finite_positive(value) or value == 0):
+            raise ValueError(f"{at}.{name}: expected a finite number >= 0 (or null or NaN: not measured), "
+                             f"got {value!r}")
+    if "gpu_method" in row and row["gpu_method"] not in GPU_METHODS:
+        raise ValueError(f"{at}.gpu_method: expected one of {', '.join(map(repr, GPU_METHODS))}, "
+                         f"got {row['gpu_method']!r}")
+
+
 def validate_record(record):
     """Check one results record against the contract above; raise ValueError naming the bad field."""
     _check_fields(record, FIELDS, "")
@@ -135,6 +189,7 @@ def validate_record(record):
         if not bench["rows"]:
             raise ValueError(f"{where}.rows: empty")
         columns, seen = None, set()
+        compared = {*bench["ours"], *bench["peers"], *([per_case] if per_case else [])}
         for r, row in enumerate(bench["rows"]):
             at = f"{where}.rows[{r}]"
             if not isinstance(row, dict):
@@ -144,13 +199,8 @@ def validate_record(record):
                     raise ValueError(f"{at}.{name}: missing")
             if not isinstance(row["provider"], str) or not row["provider"]:
                 raise ValueError(f"{at}.provider: expected a provider name, got {row['provider']!r}")
-            value = row["value"]
-            if value is not None and not _is_number(value):
-                raise ValueError(f"{at}.value: expected a number or null, got {value!r}")
-            if value is not None and value == value and not _is_finite_positive(value):  # NaN: not measured
-                raise ValueError(f"{at}.value: expected a finite number > 0 (or null or NaN: not measured), "
-                                 f"got {value!r}")
-            case = {name: type(row[name]) for name in row if name not in ("provider", "value")}
+            _check_measured(row, at, record["on_gpu"], row["provider"] in compared)
+            case = {name: type(row[name]) for name in row if name not in MEASURED}
             for name in sorted(case):
                 if not isinstance(row[name], CASE_TYPES):
                     raise ValueError(f"{at}.{name}: expected a case value (text, number or bool), got {row[name]!r}")
@@ -177,6 +227,19 @@ def format_ratio(ratio):
     return f"{ratio:.{digits}f}x"
 
 
+def _two_figures(value):
+    rounded = float(f"{value:.2g}")
+    if rounded >= 10:
+        return f"{value:.0f}"
+    return f"{rounded:.{1 - math.floor(math.log10(rounded))}f}"
+
+
+def format_ratio_range(low, high):
+    """A ratio known only within a range, as where its timings spread past SPREAD_LIMIT: two significant
+    figures at each end (0.91–1.3x), never a two-decimal figure that its timings do not support."""
+    return f"{_two_figures(low)}\u2013{_two_figures(high)}x"
+
+
 def format_fraction(fraction):
     return f"{fraction:.0%}"
 
@@ -191,7 +254,7 @@ def format_rate(value):
 
 
 def _case_key(row):
-    return tuple(sorted((k, str(v)) for k, v in row.items() if k not in ("provider", "value")))
+    return tuple(sorted((k, str(v)) for k, v in row.items() if k not in MEASURED))
 
 
 def _case_text(key):
@@ -200,61 +263,140 @@ def _case_text(key):
 
 def case_columns(bench):
     """The case columns of a benchmark's rows, in the order the rows carry them."""
-    return [name for name in bench["rows"][0] if name not in ("provider", "value")] if bench["rows"] else []
+    return [name for name in bench["rows"][0] if name not in MEASURED] if bench["rows"] else []
+
+
+def _is_measured(value):
+    return value is not None and value == value  # neither null nor NaN
+
+
+def _rate(row, name):
+    return float(row[name]) if row is not None and _is_measured(row.get(name)) else None
+
+
+def has_gpu_time(bench):
+    """Whether the benchmark's rows carry GPU time (they do on a GPU, and only there)."""
+    return any("gpu_value" in row for row in bench["rows"])
+
+
+class Ratio(NamedTuple):
+    """A kernel's rate over the strongest peer's at one case, by one of the two timings; low and high
+    bound it where the timings of either spread past SPREAD_LIMIT (None otherwise)."""
+
+    value: float
+    peer: str
+    low: float | None = None
+    high: float | None = None
+
+
+def ratio_text(ratio):
+    """How a ratio reads on the page, the peer named: "1.20x SDPA cuDNN", "0.91–1.3x SDPA cuDNN", "n/a"."""
+    if ratio is None:
+        return "n/a"
+    shown = format_ratio(ratio.value) if ratio.low is None else format_ratio_range(ratio.low, ratio.high)
+    return f"{shown} {ratio.peer}"
+
+
+def _vs_strongest_peer(rows, ours, peers, rate, spread):
+    value = _rate(rows.get(ours), rate)
+    measured = [(_rate(rows.get(peer), rate), peer) for peer in peers]
+    measured = [(v, peer) for v, peer in measured if v is not None]
+    if value is None or not measured:
+        return None
+    strongest, peer = max(measured)
+    ratio = value / strongest
+    ours_spread, peer_spread = (_rate(rows[name], spread) or 0.0 for name in (ours, peer))
+    if max(ours_spread, peer_spread) > SPREAD_LIMIT:
+        # Each rate comes from its fastest timing; its slowest gives value / (1 + spread).
+        return Ratio(ratio, peer, ratio / (1 + ours_spread), ratio * (1 + peer_spread))
+    return Ratio(ratio, peer)
+
+
+def binding_limit(row):
+    """Which limit sets the pace of one provider at one case: "host" where back to back took longer than
+    GPU time by more than the larger spread of the two timings (the host could not enqueue the calls as
+    fast as the GPU ran them), else "GPU"; None where the row cannot tell (no GPU time, no spreads)."""
+    b2b, gpu = _rate(row, "value"), _rate(row, "gpu_value")
+    spreads = [_rate(row, name) for name in SPREADS]
+    if b2b is None or gpu is None or None in spreads:
+        return None
+    # Rates in one unit: back to back took gpu / b2b times as long as GPU time.
+    return "host" if gpu / b2b - 1 > max(spreads) else "GPU"
 
 
 def per_case(bench):
-    """One entry per case, in the order cases first appear in the rows: for each kernel of ours, its
-    ratio to the strongest peer measured at that case, as (ratio, peer), and its fraction of the
-    ceiling (the case's own, where the benchmark names one); None where the kernel, or for the ratio
-    every peer, or for the fraction the case's ceiling, was not measured there."""
+    """One entry per case, in the order cases first appear in the rows: for each kernel of ours, its ratio
+    to the strongest peer measured at that case by GPU time ("gpu_ratio") and back to back ("ratio"), as a
+    Ratio, its fraction of the ceiling (the case's own, where the benchmark names one; by GPU time where
+    the rows carry it, as the ceilings are measured), and the limit that binds there (binding_limit). None
+    where the kernel, or for a ratio every peer, or for the fraction the case's ceiling, was not measured
+    there, and where no limit can be told."""
     columns, cases = case_columns(bench), {}
     for row in bench["rows"]:
-        case = {name: row[name] for name in columns}
-        _, values = cases.setdefault(_case_key(row), (case, {}))
-        if row["value"] is not None and row["value"] == row["value"]:  # skip None and NaN
-            values[row["provider"]] = float(row["value"])
+        _, rows = cases.setdefault(_case_key(row), ({name: row[name] for name in columns}, {}))
+        rows[row["provider"]] = row
+    measure = "gpu_value" if has_gpu_time(bench) else "value"
     out = []
-    for key, (case, values) in cases.items():
-        peers = [(values[p], p) for p in bench["peers"] if p in values]
-        strongest = max(peers) if peers else None
-        ceiling = values.get(bench["ceiling_per_case"]) if "ceiling_per_case" in bench else bench["ceiling"]
+    for key, (case, rows) in cases.items():
+        if "ceiling_per_case" in bench:
+            ceiling = _rate(rows.get(bench["ceiling_per_case"]), measure)
+        else:
+            ceiling = bench["ceiling"]
         kernels = {}
         for ours in bench["ours"]:
-            value = values.get(ours)
+            value = _rate(rows.get(ours), measure)
             kernels[ours] = {
-                "ratio": None if value is None or strongest is None else (value / strongest[0], strongest[1]),
+                "gpu_ratio": _vs_strongest_peer(rows, ours, bench["peers"], "gpu_value", "gpu_spread"),
+                "ratio": _vs_strongest_peer(rows, ours, bench["peers"], "value", "spread"),
                 "fraction": None if value is None or ceiling is None else value / ceiling,
+                "limit": binding_limit(rows.get(ours)),
             }
         out.append({"key": key, "case": case, "kernels": kernels})
     return out
 
 
+def _best_and_worst(found):
+    """(best, worst) of [(quantity, case key)], by the quantity (a Ratio's own value); None if empty."""
+    if not found:
+        return None
+    rank = lambda item: (item[0].value if isinstance(item[0], Ratio) else item[0], item[1])  # noqa: E731
+    return max(found, key=rank), min(found, key=rank)
+
+
 def summarize(bench):
-    """One summary row per kernel of ours: ratios to the best peer, fractions of the ceiling."""
+    """One summary row per kernel of ours measured at some case: best and worst ratio to the strongest
+    peer by GPU time ("gpu_ratio") and back to back ("ratio"), best and worst fraction of the ceiling
+    ("fraction"); each (best, worst) of (quantity, case key), or None where nothing was measured."""
     cases = per_case(bench)
     out = []
     for ours in bench["ours"]:
-        ratios, fractions = [], []
-        for case in cases:
-            kernel = case["kernels"][ours]
-            if kernel["fraction"] is not None:
-                fractions.append((kernel["fraction"], case["key"]))
-            if kernel["ratio"] is not None:
-                ratios.append((kernel["ratio"][0], case["key"], kernel["ratio"][1]))
-        if not fractions:
+        found = {name: [(case["kernels"][ours][name], case["key"]) for case in cases
+                        if case["kernels"][ours][name] is not None]
+                 for name in ("gpu_ratio", "ratio", "fraction")}
+        if not any(found.values()):
             continue
-        out.append({
-            "kernel": ours,
-            "best_ratio": max(ratios) if ratios else None,
-            "worst_ratio": min(ratios) if ratios else None,
-            "best_fraction": max(fractions),
-            "worst_fraction": min(fractions),
-        })
+        out.append({"kernel": ours, **{name: _best_and_worst(items) for name, items in found.items()}})
     return out
 
 
-SUMMARY_HEADER = ["tutorial", "benchmark", "kernel", "best vs. peer", "worst vs. peer", "of ceiling", "ceiling"]
+SUMMARY_HEADER = ["tutorial", "benchmark", "kernel", "vs. peer, GPU time", "vs. peer, back to back",
+                  "of ceiling", "ceiling"]
+
+
+def summary_cell(best_and_worst, text):
+    """A summary cell: "best <quantity> (<case>), worst <quantity> (<case>)", or "n/a"."""
+    if best_and_worst is None:
+        return "n/a"
+    (best, best_case), (worst, worst_case) = best_and_worst
+    return f"best {text(best)} ({_case_text(best_case)}), worst {text(worst)} ({_case_text(worst_case)})"
+
+
+def summary_row(bench, summary):
+    """The summary table's cells after the tutorial's: benchmark, kernel, the two ratios, the fraction and
+    the ceiling."""
+    return [bench["name"], summary["kernel"], summary_cell(summary["gpu_ratio"], ratio_text),
+            summary_cell(summary["ratio"], ratio_text), summary_cell(summary["fraction"], format_fraction),
+            ceiling_cell(bench)]
 
 
 def ceiling_text(bench):
@@ -266,11 +408,31 @@ def ceiling_text(bench):
     return f"Ceiling: {bench['ceiling_name']}, {rate}, measured in the same run."
 
 
+def profiler_text(bench):
+    """The sentence that names the providers whose GPU time is the profiler's kernel time (they could not
+    be captured in a CUDA graph), with at how many of their cases; "" where every GPU time came from
+    CUDA-graph replays."""
+    compared = [*bench["ours"], *bench["peers"], *([bench["ceiling_per_case"]] if "ceiling_per_case" in bench
+                                                   else [])]
+    named = []
+    for provider in compared:
+        rows = [row for row in bench["rows"] if row["provider"] == provider]
+        profiled = sum(row.get("gpu_method") == "profiler" for row in rows)
+        if profiled:
+            where = "every case" if profiled == len(rows) else f"{profiled} of {len(rows)} cases"
+            named.append(f"\u201c{provider}\u201d ({where})")
+    if not named:
+        return ""
+    return (f"GPU time by the profiler's kernel times, as the calls could not be captured in a CUDA graph: "
+            f"{', '.join(named)}.")
+
+
 def ceiling_cell(bench):
     """The summary table's "ceiling" cell of a benchmark."""
     if "ceiling_per_case" in bench:
         return f"\u201c{bench['ceiling_per_case']}\u201d at each case"
     return f"{bench['ceiling_name']}: {format_rate(bench['ceiling'])} {bench['unit']}"
+
 
 
 def ceiling_ranges(results):
@@ -304,22 +466,24 @@ def ceiling_ranges(results):
 
 
 def case_table(bench):
-    """The header and text rows of a benchmark's table of cases: the case columns, then for each kernel
-    of ours its ratio to the strongest peer there (naming that peer) and its fraction of the ceiling.
-    The headers stay short, as a benchmark can set four kernels side by side: the ceiling goes in
-    ceiling_text, once."""
-    header = case_columns(bench)
-    for ours in bench["ours"]:
-        header += [f"{ours}: vs. peer", f"{ours}: of ceiling"]
+    """The header and text rows of a benchmark's table of cases: a row per case and kernel of ours, with the
+    case columns, the kernel, its ratio to the strongest peer there by GPU time (on a GPU) and back to
+    back (each naming that peer), its fraction of the ceiling, and (on a GPU) the limit that binds. The
+    headers stay short: the ceiling goes in ceiling_text, once."""
+    gpu = has_gpu_time(bench)
+    header = [*case_columns(bench), "kernel", *(["vs. peer, GPU time"] if gpu else []), "vs. peer, back to back",
+              "of ceiling", *(["limit"] if gpu else [])]
     rows = []
     for case in per_case(bench):
-        cells = [str(value) for value in case["case"].values()]
-        for ours in bench["ours"]:
-            kernel = case["kernels"][ours]
-            ratio, fraction = kernel["ratio"], kernel["fraction"]
-            cells.append("n/a" if ratio is None else f"{format_ratio(ratio[0])} {ratio[1]}")
-            cells.append("n/a" if fraction is None else format_fraction(fraction))
-        rows.append(cells)
+        for ours, kernel in case["kernels"].items():
+            cells = [str(value) for value in case["case"].values()] + [ours]
+            if gpu:
+                cells.append(ratio_text(kernel["gpu_ratio"]))
+            cells.append(ratio_text(kernel["ratio"]))
+            cells.append("n/a" if kernel["fraction"] is None else format_fraction(kernel["fraction"]))
+            if gpu:
+                cells.append(kernel["limit"] or "n/a")
+            rows.append(cells)
     return header, rows
 
 
@@ -366,10 +530,6 @@ def _table(header, rows, classes=("perf-summary",)):
     return table
 
 
-def _ratio_text(ratio):
-    return "n/a" if ratio is None else f"{format_ratio(ratio[0])} {ratio[2]} ({_case_text(ratio[1])})"
-
-
 class PerfSummary(Directive):
     has_content = False
 
@@ -410,15 +570,8 @@ class PerfSummary(Directive):
         rows = []
         for result in results:
             for bench in result["benchmarks"]:
-                for s in summarize(bench):
-                    best, worst = s["best_fraction"], s["worst_fraction"]
-                    rows.append([
-                        self._lesson_link(result["tutorial"]), bench["name"], s["kernel"],
-                        _ratio_text(s["best_ratio"]), _ratio_text(s["worst_ratio"]),
-                        f"best {format_fraction(best[0])} ({_case_text(best[1])}), "
-                        f"worst {format_fraction(worst[0])} ({_case_text(worst[1])})",
-                        ceiling_cell(bench),
-                    ])
+                for summary in summarize(bench):
+                    rows.append([self._lesson_link(result["tutorial"]), *summary_row(bench, summary)])
         # On a phone each row of the summary shows as a card, a line per column (custom.css).
         out.append(_table(SUMMARY_HEADER, rows, ("perf-summary", "perf-summary-cards")))
         out.extend(nodes.paragraph(text=sentence) for sentence in ceiling_ranges(results))
@@ -428,7 +581,7 @@ class PerfSummary(Directive):
                 # inline holds the heading, as the theme stacks a rubric's children one below another.
                 out.append(nodes.rubric("", "", nodes.inline("", "", self._lesson_link(result["tutorial"]),
                                                              nodes.Text(f": {bench['name']}"))))
-                out.append(nodes.paragraph(text=ceiling_text(bench)))
+                out.append(nodes.paragraph(text=" ".join(filter(None, [ceiling_text(bench), profiler_text(bench)]))))
                 out.append(_table(*case_table(bench)))
         return out
 
