@@ -117,7 +117,7 @@ if __name__ == "__main__":
 # The benchmark at the smallest size
 # ----------------------------------
 # Lesson 11's forwards and SDPA's backends at lesson 06's shortest length, measured as
-# lesson 11 measures them (the table by GPU time, then back to back):
+# lesson 11 measures them (on a GPU, two tables: by GPU time, then back to back):
 
 WS, PORTABLE = FWD.WS, FWD.PORTABLE
 PROVIDER_OF = {"SDPA cuDNN": "SDPA cuDNN", "portable": PORTABLE, "Gluon": WS}
