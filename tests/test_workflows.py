@@ -49,13 +49,56 @@ def test_each_ref_builds_and_publishes_in_its_own_queue():
     workflow = yaml.safe_load(DOCS.read_text())
     jobs = workflow["jobs"]
     settings = [s for s in [workflow.get("concurrency"), *(job.get("concurrency") for job in jobs.values())] if s]
-    assert jobs["build"].get("concurrency", workflow.get("concurrency")), "the build has no concurrency group"
+    for name in ("shard", "build"):
+        assert jobs[name].get("concurrency", workflow.get("concurrency")), f"{name} has no concurrency group"
     for setting in settings:
         # GitHub keeps one pending run per group: a group shared by all refs would let a push to main
         # drop a tag's pending run. A running publish is never cancelled.
         group = setting["group"] if isinstance(setting, dict) else setting
         assert re.search(r"\$\{\{\s*github\.ref\s*\}\}", group), group
         assert not isinstance(setting, dict) or setting.get("cancel-in-progress", False) is False, setting
+
+
+def step_running(job, command):
+    """The one step of a job whose script runs `command`."""
+    steps = [step for step in job["steps"] if command in step.get("run", "")]
+    assert len(steps) == 1, f"{len(steps)} steps run {command}"
+    return steps[0]
+
+
+def test_the_release_build_runs_in_shards_on_gpu_runners_and_merges_where_no_lesson_runs():
+    jobs = yaml.safe_load(DOCS.read_text())["jobs"]
+    shard, merge, publish = jobs["shard"], jobs["build"], jobs["publish"]
+    # The shards: one matrix over GPU runners of one set of labels, shards numbered 0 ... N-1.
+    assert "self-hosted" in shard["runs-on"] and "gpu" in shard["runs-on"]
+    numbers = shard["strategy"]["matrix"]["shard"]
+    assert numbers == list(range(len(numbers))) and len(numbers) >= 2, numbers
+    step = step_running(shard, "tools/shard_build.py")
+    assert step["run"].split() == ["python3", "tools/shard_build.py", "--shard", '"$SHARD"', "--shards",
+                                   '"$SHARDS"', "--out", "shard"]
+    assert re.fullmatch(r"\$\{\{\s*matrix\.shard\s*\}\}", step["env"]["SHARD"])
+    assert re.fullmatch(r"\$\{\{\s*strategy\.job-total\s*\}\}", step["env"]["SHARDS"])
+    upload = next(s for s in shard["steps"] if s.get("uses", "").startswith("actions/upload-artifact@"))
+    assert upload["with"]["path"] == "shard" and upload["with"]["name"].startswith("shard-")
+    assert upload["with"]["if-no-files-found"] == "error"
+    # The merge: after every shard, on a machine that installs neither torch nor triton, with the guard
+    # (no lesson runs) and every page's platform line naming a GPU.
+    assert merge["needs"] in ("shard", ["shard"])
+    assert "self-hosted" not in merge["runs-on"]
+    install = step_running(merge, "pip install")["run"]
+    assert "torch" not in install and "triton" not in install
+    download = next(s for s in merge["steps"] if s.get("uses", "").startswith("actions/download-artifact@"))
+    assert download["with"]["pattern"] == "shard-*" and not download["with"].get("merge-multiple")
+    command = step_running(merge, "tools/shard_build.py")["run"].split()
+    assert command[:3] == ["python", "tools/shard_build.py", "--merge"] and "--require-gpu" in command
+    assert f"{download['with']['path']}/shard-*" in command
+    assert merge["env"]["DOCS_VERSION"] and merge["env"]["DOCS_SWITCHER_URL"]
+    site = next(s for s in merge["steps"] if s.get("uses", "").startswith("actions/upload-artifact@"))
+    assert site["with"] == {"name": "site", "path": "build/html", "if-no-files-found": "error", "retention-days": 7}
+    # Publishing waits for the merged site, as it waited for the one-GPU build.
+    assert publish["needs"] in ("build", ["build"])
+    fetched = next(s for s in publish["steps"] if s.get("uses", "").startswith("actions/download-artifact@"))
+    assert fetched["with"]["name"] == "site"
 
 
 RIVAL = """#!{python}
@@ -81,9 +124,11 @@ os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
 """
 
 
-def site_build(path, label):
+def site_build(path, label, switcher="/switcher.json"):
+    """A finished build as tools/publish.py checks it: its version, and where its pages read switcher.json."""
     (path / "_static").mkdir(parents=True)
-    (path / "index.html").write_text(f"<html>{label}</html>")
+    (path / "index.html").write_text(
+        f"<html><script>DOCUMENTATION_OPTIONS.theme_switcher_json_url = '{switcher}';</script>{label}</html>")
     (path / "_static" / "documentation_options.js").write_text(f"const DOCUMENTATION_OPTIONS = {{VERSION: '{label}'}};")
 
 
@@ -104,7 +149,7 @@ def run_publish_step(workspace, rivals):
     git("-C", "rival", "push", "-q", "origin", "HEAD:gh-pages")
     git("clone", "-q", "--depth=1", "-b", "gh-pages", origin, "site")  # as actions/checkout does
     (workspace / "src").symlink_to(ROOT)
-    site_build(workspace / "html", "v1.0.0")
+    site_build(workspace / "html", "v1.0.0", "/repo/switcher.json")  # BASE_URL below
     for n in range(1, 12):
         site_build(workspace / "builds" / f"v0.{n}.0", f"v0.{n}.0")
     (workspace / "bin").mkdir()

@@ -11,19 +11,25 @@ docs/_ext/lesson_files.py adds the rerun rule (a lesson runs again when a file i
 recorded in <lesson>.needs.json) by removing the checksum. This tool plans with the same rule
 (lesson_files.stale_lessons), so a lesson runs where the plain build would run it.
 
-* A worker is an ordinary Sphinx build in a copy of docs/ and tutorials/ of its own
-  (build/shards/<n>/), told by ``sphinx_gallery_conf.filename_pattern`` to run only its lessons, with
-  its own results folder, one GPU (CUDA_VISIBLE_DEVICES) on a GPU box, and its own share of the CPU
-  cores (affinity; OMP and TorchInductor threads capped to it, and stepkit.compile_ahead uses the
-  affinity). Lessons go to workers longest first, each to the worker with the least work so far, by
-  the run times of the last build here (build/lesson-times.json) or the committed
-  tools/lesson-times.json.
+* A worker is an ordinary Sphinx build (the dummy builder: it reads every page and writes none) in a
+  copy of docs/ and tutorials/ of its own (build/shards/<n>/), told by
+  ``sphinx_gallery_conf.filename_pattern`` to run only its lessons, with its own results folder, one
+  GPU (CUDA_VISIBLE_DEVICES) on a GPU box, and its own share of the CPU cores (affinity; OMP and
+  TorchInductor threads capped to it, and stepkit.compile_ahead uses the affinity). Lessons go to
+  workers longest first, each to the worker with the least work so far, by the run times of the last
+  build here (build/lesson-times.json) or the committed tools/lesson-times.json.
 * The merge copies each lesson's generated files (its needs record included) and results into
   docs/tutorials and build/results, then runs the final build with SHARD_MERGE=1: docs/conf.py stops
   it before Sphinx-Gallery starts if any lesson would run there. That build writes the gallery's
   index, zips, Computation times page (from the .cost.json files) and performance page as a
   one-worker build does.
-* With one worker (JOBS=1, no GPU, or one lesson to run) the build is the plain Sphinx build.
+* With one worker (JOBS=1, the default without a GPU, or a single lesson to run) the build is the
+  plain Sphinx build, which a merge would only repeat.
+* In CI each GPU runner runs one shard of every lesson (--shard; the plan from the committed times, so
+  that all runners draw the same one) and leaves its files, with shard.json (its lessons, GPU and
+  driver), in --out. The merge job (--merge) checks that the shards make one whole, copies them in and
+  builds with SHARD_MERGE=1 and, with --require-gpu, SHARD_REQUIRE_GPU=1 (every lesson page's platform
+  line names a GPU, and the shards ran on one model); the performance page names the shards' driver.
 
 A lesson that fails fails the build with its name and the end of its worker's log, once every worker
 has finished; the lessons that passed are kept, so the next build runs only those that failed.
@@ -50,6 +56,7 @@ COMMITTED_TIMES = ROOT / "tools" / "lesson-times.json"
 # A lesson no times file knows: this long, if no lesson is known either.
 UNKNOWN_SECONDS = 60.0
 LOG_TAIL = 60  # lines of a failed worker's log to show
+NVIDIA_DRIVER_GPUS = Path("/proc/driver/nvidia/gpus")  # there when the NVIDIA driver is loaded
 
 sys.path.insert(0, str(ROOT / "docs" / "_ext"))
 import lesson_files  # noqa: E402  (the rerun rule, shared with the build)
@@ -107,15 +114,29 @@ def nvidia_smi(*args):
     return out.stdout if out.returncode == 0 else ""
 
 
+def cuda_device_count():
+    """What CUDA counts under this environment, asked of a child process (this one keeps no CUDA context)."""
+    try:
+        out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                             capture_output=True, text=True, timeout=300)
+        return int(out.stdout.strip() or 0)
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return 0
+
+
 def visible_gpus():
-    """The GPUs a worker may be given, as CUDA_VISIBLE_DEVICES names them; asks nvidia-smi, so that this
-    process creates no CUDA context. Without CUDA_VISIBLE_DEVICES: every GPU, by UUID (which no device
-    order can confuse)."""
-    uuids = re.findall(r"^GPU \d+: .*\(UUID: (GPU-[^)]+)\)", nvidia_smi("-L"), re.M)
+    """The GPUs the workers may be given, one each, as CUDA_VISIBLE_DEVICES names them. nvidia-smi lists
+    them (every GPU by UUID, which no device order can confuse), or CUDA in a child process where the
+    driver is loaded but nvidia-smi is missing; CUDA_VISIBLE_DEVICES, when set, keeps its own names."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return uuids
-    return [d.strip() for d in visible.split(",") if d.strip()][:len(uuids)]
+    named = [d.strip() for d in visible.split(",") if d.strip()] if visible is not None else None
+    if shutil.which("nvidia-smi"):
+        found = re.findall(r"^GPU \d+: .*\(UUID: (GPU-[^)]+)\)", nvidia_smi("-L"), re.M)
+        return found if named is None else named[:len(found)]
+    if NVIDIA_DRIVER_GPUS.is_dir():
+        count = cuda_device_count()
+        return [str(i) for i in range(count)] if named is None else named[:count]
+    return []
 
 
 def gpu_description(device):
@@ -186,7 +207,7 @@ def pattern(names):
 class Worker:
     """A Sphinx build in build/shards/<index> that runs only `names`, pinned to `gpu` and `cores`."""
 
-    def __init__(self, index, names, gpu, cores, sphinxopts, affinity=True):
+    def __init__(self, index, names, gpu, cores, sphinxopts):
         self.index, self.names, self.gpu, self.cores = index, names, gpu, cores
         self.home = SHARDS / str(index)
         self.gallery = self.home / "src" / "docs" / "tutorials"
@@ -202,18 +223,23 @@ class Worker:
         env.pop("SHARD_REQUIRE_GPU", None)
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
-        command = [sys.executable, "-m", "sphinx", "-b", "html", *sphinxopts,
+        # Sphinx's dummy builder reads every page (so a lesson's page that Sphinx would warn about fails
+        # here, under -W, as in a plain build) and writes none: the merging build writes them all.
+        command = [sys.executable, "-m", "sphinx", "-b", "dummy", *sphinxopts,
                    "-D", f"sphinx_gallery_conf.filename_pattern={pattern(names)}",
-                   "-d", str(self.home / "doctrees"), str(self.home / "src" / "docs"), str(self.home / "html")]
+                   "-d", str(self.home / "doctrees"), str(self.home / "src" / "docs"), str(self.home / "out")]
         self.log = self.home / "log.txt"
         with open(self.log, "w") as log:
             self.process = subprocess.Popen(
                 command, cwd=self.home / "src", env=env, stdout=log, stderr=subprocess.STDOUT,
-                preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if affinity else None)
+                preexec_fn=lambda: os.sched_setaffinity(0, cores))
         self.start = time.perf_counter()
 
     def where(self):
-        return f"GPU {self.gpu}" if self.gpu is not None else "CPU"
+        """'CPU', or the GPU as CUDA_VISIBLE_DEVICES names it (a UUID cut to its first 8 digits)."""
+        if self.gpu is None:
+            return "CPU"
+        return f"GPU {self.gpu[4:12]}" if self.gpu.startswith("GPU-") else f"GPU {self.gpu}"
 
     def finished_lessons(self):
         """Lessons of this worker that ran to the end since the last call (their .py.md5 appeared)."""
@@ -237,16 +263,17 @@ def lesson_seconds(gallery, name):
         return None
 
 
-def run_workers(shards, gpus, sphinxopts, seconds):
-    """Run one worker per shard side by side, reporting each lesson as it ends; the workers, once all
-    have ended. A worker with no lessons is not started."""
+def run_workers(shards, gpus, sphinxopts, seconds, first=0):
+    """Run one worker per shard side by side (numbered from `first`), reporting each lesson as it ends;
+    the workers, once all have ended. A worker with no lessons is not started."""
     cores = core_shares(os.sched_getaffinity(0), len(shards))
-    workers = [Worker(i, names, gpus[i] if gpus else None, cores[i], sphinxopts)
+    workers = [Worker(first + i, names, gpus[i] if gpus else None, cores[i], sphinxopts)
                for i, names in enumerate(shards) if names]
     total = sum(len(w.names) for w in workers)
     for w in workers:
         planned = sum(seconds[n] for n in w.names)
-        say(f"  worker {w.index} ({w.where()}, cores {ranges(w.cores)}; log {w.log.relative_to(ROOT)}): "
+        pinned = f"CUDA_VISIBLE_DEVICES={w.gpu}" if w.gpu is not None else "CPU"
+        say(f"  worker {w.index} ({pinned}, cores {ranges(w.cores)}; log {w.log.relative_to(ROOT)}): "
             f"{', '.join(w.names)}  [{planned:.0f} s planned]")
     start, count, running = time.perf_counter(), 0, list(workers)
     try:
@@ -350,6 +377,8 @@ def build_here(jobs, sphinxopts):
         say(f"shard_build: {len(stale)} lessons to run on {workers} workers "
             f"({'one GPU each' if gpus else 'the Triton interpreter, on the CPU'}), longest first")
         start = time.perf_counter()
+        if SHARDS.exists():  # the workers of an earlier build, however many there were
+            shutil.rmtree(SHARDS)
         ran = run_workers(shards, gpus, sphinxopts, seconds)
         for w in ran:
             passed = [n for n in w.names if n not in w.failed()]
@@ -363,7 +392,7 @@ def build_here(jobs, sphinxopts):
             return 1
         say(f"shard_build: lessons ran in {time.perf_counter() - start:.0f} s on {workers} workers; "
             "merging: one Sphinx build that runs no lesson")
-        code = merge_build(sphinxopts, require_gpu=bool(gpus))
+        code = merge_build(sphinxopts, require_gpu=False)  # pages kept from earlier builds stay, as in a plain one
     if code == 0:
         record_times()
     return code
@@ -376,12 +405,16 @@ def build_shard(shard, shards, out, sphinxopts):
     gpus = visible_gpus()
     say(f"shard_build: shard {shard} of {shards}: {', '.join(mine) or 'no lesson'}")
     seconds = estimates(mine, read_times(COMMITTED_TIMES))
-    ran = run_workers([mine], gpus[:1], sphinxopts, seconds) if mine else []
+    # Worker number `shard`, so that shards run side by side in one tree do not meet (build/shards/<shard>).
+    ran = run_workers([mine], gpus[:1], sphinxopts, seconds, first=shard) if mine else []
     failed = report_failures(ran)
     if failed:
         say(f"shard_build: lessons failed: {', '.join(failed)}")
         return 1
     name, driver = gpu_description(gpus[0]) if gpus else (None, None)
+    for old in (out / "docs", out / "build"):  # what an earlier run of this command left there
+        if old.exists():
+            shutil.rmtree(old)
     out.mkdir(parents=True, exist_ok=True)
     for w in ran:
         for lesson in w.names:
@@ -394,6 +427,8 @@ def build_shard(shard, shards, out, sphinxopts):
 
 def merge_shards(folders, require_gpu, sphinxopts):
     """CI: copy the shards' files into docs/tutorials and build/results, then the merging build."""
+    if missing := [str(f) for f in folders if not (Path(f) / "shard.json").is_file()]:
+        raise ValueError(f"not a shard's output (no shard.json): {', '.join(missing)}")
     infos = [json.loads((Path(f) / "shard.json").read_text()) for f in folders]
     counts = {info["shards"] for info in infos}
     indices = sorted(info["shard"] for info in infos)
@@ -409,6 +444,8 @@ def merge_shards(folders, require_gpu, sphinxopts):
         copy_results(Path(folder) / "build" / "results", results_dir(), info["lessons"])
     gpus = sorted({info["gpu"] for info in infos if info["lessons"]}, key=str)
     drivers = sorted({info["driver"] for info in infos if info["lessons"] and info["driver"]})
+    if require_gpu and (len(gpus) > 1 or None in gpus):
+        raise ValueError(f"the shards ran on {gpus}, not on one model of GPU")
     say(f"shard_build: merging {len(infos)} shards (GPUs: {', '.join(map(str, gpus))}; "
         f"drivers: {', '.join(drivers) or 'none'}): one Sphinx build that runs no lesson")
     return merge_build(sphinxopts, require_gpu, ", ".join(drivers))

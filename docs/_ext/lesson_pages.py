@@ -57,9 +57,9 @@ def _depart_plot(self, node):
 CDN_BLOCK = re.compile(r"^( *)\.\. raw:: html\n.*?(?=^\1\.\. list-table::)", re.M | re.S)
 MEMORY_NOTE = (
     "Mem (MB) is the most resident memory the build process gained while the lesson ran, over what it "
-    "held when the lesson started. The lessons run one after another in one process: the first also "
-    "pays for importing PyTorch and Triton, and a later one that reuses memory freed before it can "
-    "show almost nothing.\n\n")
+    "held when the lesson started. The lessons run one after another in one process (one per worker "
+    "when the build runs on several GPUs): the first of a process also pays for importing PyTorch and "
+    "Triton, and a later one that reuses memory freed before it can show almost nothing.\n\n")
 
 
 def _computation_times(app, docname, source):
