@@ -287,3 +287,12 @@ def test_exercise_check_rejects_a_wrong_solution(exercise, wrong, capsys):
     with pytest.raises(AssertionError, match=r"on (B, )?M, N, K = "):
         check_fn(wrongs[wrong])
     assert "correct" not in capsys.readouterr().out
+
+
+def test_the_back_to_back_sentence_follows_the_ratio():
+    """Lesson 04's line where back to back differs from GPU time: above 1 it is faster (no L2 flush between
+    calls), below 1 slower (GPU time leaves out what happens between calls); never the host for a faster one."""
+    faster = L.kit.back_to_back_line("cuBLAS (torch.matmul)", "n = 2048", 1.11)
+    assert "1.11x" in faster and "faster" in faster and "L2" in faster and "host" not in faster
+    slower = L.kit.back_to_back_line("Triton, grouped order", "n = 1024", 0.29)
+    assert "0.29x" in slower and "slower" in slower and "host" in slower and "L2" not in slower

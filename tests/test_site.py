@@ -887,8 +887,11 @@ def test_getting_started_gives_the_download_step_for_a_script(site, monkeypatch)
     text = html.unescape(re.sub(r"<[^>]+>", "", (site / "getting-started.html").read_text()))
     assert f'repository = "{github_repository(site)}"' in text and f'ref = "{ref}"' in text
     loaded = {name for lesson in LESSONS for name in lesson_files.siblings(TUTORIALS, lesson)}
-    listed = re.search(r"for name in \[(.*?)\]:", text).group(1)
-    assert listed == ", ".join(f'"{name}"' for name in [*lesson_files.SHARED, *(f"{n}.py" for n in sorted(loaded))])
+    # The names, a few to a line so that the step fits 80 columns.
+    listed = re.search(r"for name in \[(.*?)\]:", text, re.DOTALL).group(1)
+    assert re.findall(r'"([^"]+)"', listed) == [*lesson_files.SHARED, *(f"{n}.py" for n in sorted(loaded))]
+    step = text[text.index("python - <<'EOF'"):text.index("EOF", text.index("python - <<'EOF'") + 16) + 3]
+    assert max(map(len, step.splitlines())) <= 80, "the download step scrolls sideways"
 
 
 def test_a_failing_tutorial_fails_the_build_by_name(site, tmp_path):

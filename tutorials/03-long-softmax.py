@@ -384,16 +384,16 @@ def row_on_chip_softmax(x):
 # ----------------------------------------
 # Past one SM, the two-pass kernel reads a row twice: a ceiling of two thirds of the
 # copy bandwidth, unless the L2 cache serves the second read ("What the numbers say"
-# shows where it does). To read a long row once, several programs share it. Each of
-# ``SPLITS`` programs holds one chunk in registers, computes its maximum :math:`m_c` and
-# sum :math:`d_c = \sum e^{x - m_c}`, publishes the pair to a small buffer in device
-# memory, increments the row's *arrival counter*, waits until it shows every chunk has
-# arrived, merges the pairs with the combine step and normalizes the chunk it still
-# holds: each element read and written once, like the fused kernel, for rows of any
-# length the whole GPU can hold. A kernel's programs normally never wait for one
-# another, so this takes care (on Hopper, thread-block clusters with distributed shared
-# memory do the exchange in hardware, without a round trip through device memory;
-# Triton does not expose them):
+# prints the two-pass share: past 2/3, it did). To read a long row once, several
+# programs share it. Each of ``SPLITS`` programs holds one chunk in registers, computes
+# its maximum :math:`m_c` and sum :math:`d_c = \sum e^{x - m_c}`, publishes the pair to
+# a small buffer in device memory, increments the row's *arrival counter*, waits until
+# it shows every chunk has arrived, merges the pairs with the combine step and
+# normalizes the chunk it still holds: each element read and written once, like the
+# fused kernel, for rows of any length the whole GPU can hold. A kernel's programs
+# normally never wait for one another, so this takes care (on Hopper, thread-block
+# clusters with distributed shared memory do the exchange in hardware, without a round
+# trip through device memory; Triton does not expose them):
 #
 # * **Every program of a row must be running at the same time**, or the waiting ones
 #   spin forever on a chunk that never arrives. So the launcher compiles the kernel
@@ -668,12 +668,12 @@ if __name__ == "__main__":
         best = row[list(OURS)].dropna().idxmax()
         loop = b2b.loc[key, best] / b2b.loc[key, peers].max()
         loop = f" ({loop:.2f}x back to back)" if kit.ON_GPU else ""
-        online = row["online (two-pass)"] / row["three-pass"]
+        two = row["online (two-pass)"]
         print(
             f"{key[0]:>8s} N = {key[1]:>6d}: best is {best} at "
             f"{row[best] / copy_gbs:.0%} of copy bandwidth, "
-            f"{row[best] / row[peers].max():.2f}x the best PyTorch peer"
-            f"{loop}; online vs. three-pass {online:.2f}x"
+            f"{row[best] / row[peers].max():.2f}x the best PyTorch peer{loop}; "
+            f"two-pass {two / copy_gbs:.0%}, {two / row['three-pass']:.2f}x three-pass"
         )
     if not kit.ON_GPU:
         print("Interpreter timings: the ratios measure NumPy on the CPU, illustrative.")
@@ -698,15 +698,24 @@ if __name__ == "__main__":
 # %%
 # Registers and bytes in flight, by dtype
 # ---------------------------------------
-# Where bf16 runs further from the copy than fp32 in the table above, look here: each
-# split-row program gets 32 KiB of the row in both dtypes, twice the elements in bf16,
-# each held as fp32 in registers until the row's statistics arrive. More registers per
-# thread mean fewer programs per SM, and while a program waits for the rest of its row,
-# only the other programs on its SM keep loads in flight. At the longest row, this cell
-# asks the compiler per dtype for registers per thread and programs per SM, hence the
-# part of the row each SM can be loading at once, beside the measured speed. Lesson 10
-# keeps the chunk in shared memory instead, as the 16-bit values it read, and measures
-# what that buys.
+# Where bf16 runs further from the copy than fp32 (this cell's last line says where it
+# did in this run), look here: each split-row program gets 32 KiB of the row in both
+# dtypes, twice the elements in bf16, each held as fp32 in registers until the row's
+# statistics arrive. More registers per thread mean fewer programs per SM, and while a
+# program waits for the rest of its row, only the other programs on its SM keep loads in
+# flight. This cell asks the compiler per dtype for registers per thread and programs
+# per SM (the chunk is fixed in bytes, so they hold at every length): how much of the
+# row each SM can be loading at once. Lesson 10 keeps the chunk in shared memory.
+
+
+def by_dtype(speed, copy_gbs):
+    """Split-row speed (GB/s by dtype, N) as a share of the copy bandwidth, by dtype."""
+    s = (speed / copy_gbs).unstack("dtype")
+    further = ", ".join(f"N = {n}" for n in s.index[s["bfloat16"] < s["float32"]])
+    return ("Split row, share of the copy bandwidth in fp32 and bf16: " + ", ".join(
+        f"N = {n}: {r['float32']:.0%} and {r['bfloat16']:.0%}" for n, r in s.iterrows())
+        + f". bf16 runs further from it at: {further or 'none'}.")
+
 
 if __name__ == "__main__" and kit.ON_GPU:
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
@@ -718,14 +727,12 @@ if __name__ == "__main__" and kit.ON_GPU:
         )
         compiled._init_handles()
         per_sm = _programs_that_fit(args, meta, SPLIT_WARPS) // sms
-        name = str(dtype)[6:]
-        speed = table.loc[(name, sizes[-1]), "split row (one pass)"]
         print(
-            f"{name:>8s}: {meta['CHUNK']} elements per program, {compiled.n_regs} "
-            f"registers per thread, {per_sm} programs per SM, so "
-            f"{per_sm * SPLIT_BYTES // 1024} KiB of the row in flight per SM; "
-            f"{speed / copy_gbs:.0%} of the copy bandwidth at N = {sizes[-1]}"
+            f"{str(dtype)[6:]:>8s}: {meta['CHUNK']} elements per program, "
+            f"{compiled.n_regs} registers per thread, {per_sm} programs per SM, so "
+            f"{per_sm * SPLIT_BYTES // 1024} KiB of the row in flight per SM"
         )
+    print(by_dtype(table["split row (one pass)"], copy_gbs))
 elif __name__ == "__main__":
     print("Registers and occupancy need a kernel compiled for a GPU.")
 

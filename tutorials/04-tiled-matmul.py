@@ -438,12 +438,13 @@ if __name__ == "__main__":
 
 # %%
 
+
 if __name__ == "__main__":
     import matplotlib.pyplot as plt
 
     sizes = [1024, 2048, 4096, 8192] if kit.ON_GPU else [64, 128, 256]
     peak = kit.matmul_tflops()
-    print(f"ceiling ({kit.MATMUL_CEILING}), measured now: {peak:.3g} TFLOP/s")
+    print(kit.ceiling_line(peak))
     rows, tiles = run_benchmark(sizes)
     results = pd.DataFrame(rows)
     # GPU time first; under the interpreter there is only the wall clock.
@@ -490,11 +491,7 @@ if __name__ == "__main__":
         "it loads."
     )
     for row in kit.back_to_back_gaps(results).itertuples():
-        print(
-            f"Back to back, {row.provider} at n = {row.size} runs at "
-            f"{row.b2b_ratio:.2f}x its rate by GPU time: the host's launches, not the "
-            "GPU, set that pace."
-        )
+        print(kit.back_to_back_line(row.provider, f"n = {row.size}", row.b2b_ratio))
     above = table[PEER][table[PEER] > peak]
     if len(above):
         print(

@@ -446,7 +446,7 @@ if __name__ == "__main__":
     else:
         cases, sizes = [(1, 2, 64)], [64, 128]
     peak = kit.matmul_tflops()
-    print(f"Ceiling, {kit.MATMUL_CEILING}, measured now: {peak:.3g} TFLOP/s")
+    print(kit.ceiling_line(peak))
     benchmark = kit.attention_benchmark(cases, sizes, v1_providers, ("fwd", "bwd"))
     results = pd.DataFrame(benchmark)
     table, b2b = kit.rate_tables(results, INDEX)
@@ -465,7 +465,8 @@ kit.rates_table(results, INDEX, "TFLOP/s") if __name__ == "__main__" else None
 # %%
 # The same calls back to back, as a loop that calls attention again and again sees
 # them. Where a call's GPU time is shorter than the host's time to enqueue it, the host
-# paces the GPU and the rate falls below the one above: at the shortest lengths.
+# paces the GPU and the rate falls below the one above; "Reading the numbers" says how
+# far the two tables differ in this run.
 
 (
     kit.rates_table(results, INDEX, "TFLOP/s", value="value")
@@ -482,6 +483,8 @@ kit.rates_table(results, INDEX, "TFLOP/s") if __name__ == "__main__" else None
 if __name__ == "__main__":
     peers = [c for c in kit.SDPA_PEERS if c in table]
     print("\n".join(kit.peer_lines(table, b2b, peak, OURS, peers, name="v1").values()))
+    if kit.ON_GPU:
+        print(kit.b2b_overview(table, b2b))
     interpreted = "These are interpreter timings: they measure NumPy on the CPU."
     print(kit.spread_summary(results) if kit.ON_GPU else interpreted)
     kit.save_results("05-fused-attention-v1", [{
@@ -505,7 +508,7 @@ if __name__ == "__main__":
 
 
 def per_sm_cases(sms, N, D):
-    """The probe's cases for kit.measure: v1's backward at 1 to 8 programs per SM."""
+    """The cases for kit.measure: v1's backward at 1 to 8 programs per SM."""
     for per_sm in (1, 2, 4, 8):
         q, k, v = (
             torch.randn(1, per_sm * sms, N, D, device=DEVICE, dtype=torch.float16,

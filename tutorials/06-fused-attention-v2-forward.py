@@ -380,16 +380,16 @@ def tuned_case(q, causal):
 # gradients; the next lesson's ``attention`` has one.
 #
 # At short lengths the host's work per call matters as much as the GPU's (lesson 12's
-# section "Host time and GPU time at the smallest size" measures both). One large piece
-# is Triton's JIT dispatch: on every call it inspects each of some thirty arguments, to
-# find what the compiled kernel was specialized on (dtypes, integers equal to 1 or
-# divisible by 16, pointers aligned to 16 bytes), and looks the kernel up by that.
-# Every one of those answers, and every argument besides the tensors and the scale,
-# follows from the inputs' shapes, strides, dtypes and alignment. So the first call
-# with a given layout goes through the JIT and keeps a *launch plan*: the compiled
-# kernel, its grid and those arguments. Later calls with the same layout pass only
-# their tensors and scale to the compiled kernel's own launcher. (Only launches with a
-# known configuration keep plans: a case that the table does not cover, fp8 among
+# section "Host time, GPU time and back to back at the smallest size" measures both).
+# One large piece is Triton's JIT dispatch: on every call it inspects each of some
+# thirty arguments, to find what the compiled kernel was specialized on (dtypes,
+# integers equal to 1 or divisible by 16, pointers aligned to 16 bytes), and looks the
+# kernel up by that. Every one of those answers, and every argument besides the tensors
+# and the scale, follows from the inputs' shapes, strides, dtypes and alignment. So the
+# first call with a given layout goes through the JIT and keeps a *launch plan*: the
+# compiled kernel, its grid and those arguments. Later calls with the same layout pass
+# only their tensors and scale to the compiled kernel's own launcher. (Only launches
+# with a known configuration keep plans: a case that the table does not cover, fp8 among
 # them, goes through the autotuner and the JIT on every call.)
 
 
@@ -610,7 +610,7 @@ if __name__ == "__main__":
 
     print(kit.describe_platform())
     peak = kit.matmul_tflops()
-    print(f"Ceiling, {kit.MATMUL_CEILING}, measured now: {peak:.3g} TFLOP/s")
+    print(kit.ceiling_line(peak))
     results = pd.DataFrame(
         kit.attention_benchmark(CASES, SIZES, providers_for, ("fwd",))
     )

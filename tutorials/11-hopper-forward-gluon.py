@@ -659,9 +659,9 @@ if __name__ == "__main__":
 # backends, with the fp16 matrix-multiply rate measured now as the ceiling (lesson 06's
 # fp8 forward, also shown, can pass it). **How we time:** each provider's GPU time and
 # its time back to back, as :doc:`../performance` defines them ("How we time"). The
-# plot, the table and the verdicts read GPU time; where back to back differs, the host
-# set the pace (lesson 12). Under the interpreter, wall-clock times of NumPy only
-# illustrate.
+# plot, the table and the verdicts read GPU time and say where back to back differs
+# (lesson 12 measures what set that pace at the smallest size). Under the interpreter,
+# wall-clock times of NumPy only illustrate.
 
 WS = "Triton, warp-specialized (Gluon)"
 PORTABLE = "Triton v2 (lessons 06, 07)"
@@ -687,7 +687,7 @@ def hopper_benchmark(mode, extra_providers, title):
     import pandas as pd
 
     peak = kit.matmul_tflops()
-    print(f"{kit.MATMUL_CEILING}, measured now: {peak:.3g} TFLOP/s")
+    print(kit.ceiling_line(peak))
     results = pd.DataFrame(kit.attention_benchmark(
         V2.CASES, V2.SIZES, portable_and_sdpa, (mode,), extra_providers))
     title += f", {BY}"

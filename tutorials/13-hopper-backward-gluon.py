@@ -665,6 +665,7 @@ if __name__ == "__main__" and kit.ON_GPU:
             del q, k, v
     hosts = pd.DataFrame(hosts).set_index(["D", "causal", "call"])
     hosts["host, no plans (us)"] = hosts["host, no plans (us)"].astype("Int64")
+    print(PROFILE.plans_saved(hosts.drop(index="SDPA cuDNN", level="call")))
 elif __name__ == "__main__":
     print("Launch overhead is a GPU question: under the interpreter every call runs on "
           "the host anyway.")

@@ -467,6 +467,19 @@ def matmul_tflops():
     return 2 * n**3 / ms * 1e-9
 
 
+def ceiling_line(peak):
+    """The line a page prints under its matmul ceiling peak (TFLOP/s, from
+    matmul_tflops): what it is, and why pages differ in it."""
+    line = f"Ceiling, {MATMUL_CEILING}, measured now: {peak:.3g} TFLOP/s"
+    if not ON_GPU:
+        return line
+    return (
+        line + ". It is measured once per page, after a second of multiplies; the "
+        "clocks move it by several percent from page to page, so compare fractions "
+        "of it within a page."
+    )
+
+
 # -- Plot style ----------------------------------------------------------------
 
 # One colour and marker per provider on every page.
@@ -1052,7 +1065,7 @@ def attention_benchmark(cases, sizes, providers, modes, extra_providers=None):
                     pass
 
     kernels, seconds = compile_ahead(call_each_once)
-    if kernels:
+    if kernels and round(seconds, 1) > 0:  # not where Triton's cache held them all
         print(
             f"Compiled ahead: {kernels} kernels on "
             f"{len(os.sched_getaffinity(0))} threads in {seconds:.1f} s"
@@ -1144,8 +1157,9 @@ def rate_tables(results, index):
 def back_to_back_note(gpu, b2b, ours, peers):
     """A clause for a conclusion read by GPU time (gpu: rates of some cases, a
     column per provider), where back to back (b2b: the same cases) tells
-    otherwise: ours slower than by GPU time past SPREAD_LIMIT (the host paced
-    it), or its ratio to the fastest peer moved past it. "" where neither."""
+    otherwise: ours slower than by GPU time past SPREAD_LIMIT, or its ratio to the
+    fastest peer moved past it. "" where neither. It names no cause: these rates
+    alone cannot tell one (lesson 12 sets host time beside them)."""
     if gpu is b2b:
         return ""
     slower = gpu[ours] / b2b[ours]
@@ -1160,9 +1174,91 @@ def back_to_back_note(gpu, b2b, ours, peers):
         lengths = ", ".join(str(n) for n in paced[paced].index.get_level_values("N"))
         note += (
             f", at N = {lengths} up to {slower.max():.1f}x slower than by GPU "
-            "time (the host paced it)"
+            "time"
         )
     return note
+
+
+def back_to_back_line(provider, case, ratio):
+    """A sentence on provider's rate back to back in case (text, "n = 2048"), ratio
+    times its rate by GPU time, and what can make it differ: faster, the L2 cache
+    that GPU time flushes before each call; slower, what GPU time leaves out between
+    calls. No host time is measured with it, so it names the host only as a
+    possibility."""
+    said = f"Back to back, {provider} at {case} runs at {ratio:.2f}x its GPU-time rate"
+    if ratio > 1:
+        return (
+            said + ": faster, since calls in a row can find their inputs still in the "
+            "L2 cache, which GPU time flushes before each call."
+        )
+    return (
+        said + ": slower, since GPU time leaves out what happens between calls, "
+        "the host's launches among it (lesson 12 measures them)."
+    )
+
+
+def same_kernel_gain(ratio, results, ours, same_from):
+    """A sentence on ratio (ours[0]'s rate over ours[1]'s, by dtype and N) below
+    same_from, where the two differ: the noise floor is their largest gap from
+    same_from on, where both run the same kernel; sizes where either timing shows as
+    a range (past SPREAD_LIMIT) are named apart and count as neither."""
+    column = "gpu_spread" if "gpu_spread" in results else "spread"
+    spread = results.pivot_table(
+        index=["dtype", "N"], columns="provider", values=column, sort=False
+    )
+    ranged = (spread.loc[ratio.index, list(ours)] > SPREAD_LIMIT).any(axis=1)
+    short = ratio.index.get_level_values("N") < same_from
+    settled = ratio[short & ~ranged]
+
+    def at(r, key):
+        return f"{r[key]:.2f}x (at {key[0]}, N = {key[1]})"
+
+    shown = settled if len(settled) else ratio[short]
+    line = (
+        f"below {same_from} columns, {ours[0]} runs at {at(shown, shown.idxmin())} to "
+        f"{at(shown, shown.idxmax())} the speed of {ours[1]}."
+    )
+    same = (ratio[~short] - 1).abs()
+    floor = same.max() if len(same) else 0.0
+    if len(same):
+        line += (
+            f" From {same_from} on, where both run the same kernel, they differ by up "
+            f"to {floor:.1%} (at {same.idxmax()[0]}, N = {same.idxmax()[1]}): the "
+            f"noise floor. Past it, {ours[0]} is"
+        )
+    else:
+        line += f" No size reaches {same_from} here to set a noise floor; {ours[0]} is"
+    faster, slower = (settled > 1 + floor).sum(), (settled < 1 - floor).sum()
+    line += (
+        f" faster at {faster} and slower at {slower} of {len(settled)} sizes with "
+        "settled timings"
+    )
+    wide = ratio[short & ranged]
+    if wide.empty:
+        return line + "."
+    named = ", ".join(f"{d}, N = {n} ({r:.2f}x)" for (d, n), r in wide.items())
+    return line + f"; timings spread past {SPREAD_LIMIT:.0%} at {named}."
+
+
+def b2b_overview(gpu, b2b):
+    """One sentence over every timing: the back-to-back rates (b2b) against those by
+    GPU time (gpu; both tables a column per provider, an "N" level in the index),
+    and where they differ past SPREAD_LIMIT. "" where there is no GPU time."""
+    if gpu is b2b:
+        return ""
+    ratio = (b2b / gpu).stack().dropna()
+    line = (
+        f"Back to back, the rates are {ratio.min():.2f}x to {ratio.max():.2f}x those "
+        f"by GPU time (median {ratio.median():.2f}x)"
+    )
+    apart = ratio[(ratio - 1).abs() > SPREAD_LIMIT]
+    if apart.empty:
+        return line + f"; none differs by more than {SPREAD_LIMIT:.0%}."
+    lengths = sorted(set(apart.index.get_level_values("N")))
+    return line + (
+        f"; {len(apart)} of {len(ratio)} differ by more than {SPREAD_LIMIT:.0%}, at "
+        f"N = {', '.join(map(str, lengths))}."
+    )
 
 
 def peer_lines(table, b2b, peak, ours, peers, versus=None, name="ours"):
@@ -1189,16 +1285,31 @@ def peer_lines(table, b2b, peak, ours, peers, versus=None, name="ours"):
 
 
 def spread_summary(results):
-    """One sentence: how far one provider's timings of one case spread."""
-    worst = results.loc[results["spread"].idxmax()]
+    """One sentence: how far one provider's timings of one case spread (the spread:
+    how far apart its two fastest timings were)."""
     column = "gpu_spread" if "gpu_spread" in results else "spread"
-    median = results[column].median()
+
+    def where(row):
+        mode = f"{row['mode']} " if row.get("mode") else ""
+        return f"{row['provider']}, {mode}N={row['N']}"
+
+    worst = results.loc[results[column].idxmax()]
+    worst_b2b = results.loc[results["spread"].idxmax()]
     ranged = (results[column] > SPREAD_LIMIT).sum()
-    return (
-        f"Each provider was timed in {PASSES} or more passes over all cases; "
-        f"the median spread of one case's timings is {median:.1%}, the largest "
-        f"back-to-back spread {worst['spread']:.0%} ({worst['provider']}, "
-        f"{worst.get('mode', '')} N={worst['N']}); {ranged} of {len(results)} "
-        f"timings spread past {SPREAD_LIMIT:.0%} after {MAX_PASSES} passes and "
-        "show as ranges. Differences smaller than the spread are noise."
+    by = "GPU time" if column == "gpu_spread" else "wall clock"
+    line = (
+        f"Each provider was timed in {PASSES} or more passes over all cases; a case's "
+        f"spread is how far its two fastest timings differ. By {by} the "
+        f"median spread is {results[column].median():.1%}, the largest "
+        f"{worst[column]:.0%} ({where(worst)})"
+    )
+    if column == "gpu_spread":
+        line += (
+            f"; back to back the largest is {worst_b2b['spread']:.0%} "
+            f"({where(worst_b2b)})"
+        )
+    return line + (
+        f". {ranged} of {len(results)} timings by {by} spread past {SPREAD_LIMIT:.0%} "
+        f"after {MAX_PASSES} passes and show as ranges. Differences smaller than the "
+        "spread are noise; larger ones can be too, as the clocks drift between passes."
     )

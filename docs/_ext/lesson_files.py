@@ -115,15 +115,24 @@ def stale_lessons(lessons_dir, gallery_dir):
 def download_code(repository, ref, files):
     """The lines of standard-library Python that fetch the files missing in the current folder (a
     lesson may stand in as its script or its notebook) from the repository at ref."""
-    listed = ", ".join(f'"{name}"' for name in files)
+    # The names a few to a line, so that the step fits 80 columns (88 in a notebook's cell).
+    rows, row = [], ""
+    for name in (f'"{name}",' for name in files):
+        if row and len(row) + 1 + len(name) > 72:
+            rows.append(row)
+            row = ""
+        row = f"{row} {name}" if row else name
+    listed = [f"    {row}" for row in [*rows, row] if row]
     return [
         "import pathlib",
         "import urllib.request",
         "",
         f'repository = "{repository}"',
-        f'ref = "{ref}"  # the version of the page this comes from',
+        f'ref = "{ref}"  # the version of this page',
         'base = f"https://raw.githubusercontent.com/{repository}/{ref}/tutorials/"',
-        f"for name in [{listed}]:",
+        "for name in [",
+        *listed,
+        "]:",
         "    path = pathlib.Path(name)",
         '    if not (path.exists() or path.with_suffix(".ipynb").exists()):',
         "        urllib.request.urlretrieve(base + name, path)",
