@@ -191,3 +191,40 @@ def test_importing_stepkit_twice_keeps_no_state_between_lessons():
     state = {name for name, value in vars(kit).items()
              if isinstance(value, (dict, list, set)) and not name.isupper() and not name.startswith("__")}
     assert state == set(), f"module-level mutable state: {state}"
+
+
+def rates(values, provider="ours"):
+    import pandas as pd
+
+    index = pd.MultiIndex.from_tuples([(64, n) for n in (1024, 2048, 4096)], names=["D", "N"])
+    return pd.DataFrame({provider: values}, index=index)
+
+
+def test_back_to_back_is_called_faster_or_slower_by_its_ratio_and_never_blames_the_host_alone():
+    faster = kit.back_to_back_line("cuBLAS", "n = 2048", 1.11)
+    slower = kit.back_to_back_line("cuBLAS", "n = 2048", 0.8)
+    assert "1.11x" in faster and "faster" in faster and "slower" not in faster
+    assert "0.80x" in slower and "slower" in slower and "host's launches, not the GPU" not in slower
+
+
+def test_the_back_to_back_overview_counts_only_differences_past_the_spread_limit():
+    gpu = rates([100.0, 100.0, 100.0])
+    assert "none differs by more than 10%" in kit.b2b_overview(gpu, rates([95.0, 103.0, 99.0]))
+    apart = kit.b2b_overview(gpu, rates([70.0, 100.0, 99.0]))
+    assert "1 of 3 differ by more than 10%, at N = 1024" in apart
+    assert kit.b2b_overview(gpu, gpu) == ""  # under the interpreter both tables are one
+
+
+def test_the_back_to_back_note_names_no_cause():
+    import pandas as pd
+
+    gpu = pd.concat([rates([100.0, 100.0, 100.0]), rates([100.0, 100.0, 100.0], "peer")], axis=1)
+    b2b = pd.concat([rates([50.0, 100.0, 100.0]), rates([100.0, 100.0, 100.0], "peer")], axis=1)
+    note = kit.back_to_back_note(gpu, b2b, "ours", ["peer"])
+    assert "at N = 1024 up to 2.0x slower than by GPU time" in note and "host" not in note
+    assert kit.back_to_back_note(gpu, gpu, "ours", ["peer"]) == ""
+
+
+def test_the_ceiling_line_says_what_was_measured():
+    line = kit.ceiling_line(650.0)
+    assert kit.MATMUL_CEILING in line and "650 TFLOP/s" in line
