@@ -137,7 +137,7 @@ def test_lesson_links_to_its_script_on_github(site, lesson):
 def test_getting_started_gives_the_real_clone_command(site):
     repository = github_repository(site)
     text = re.sub(r"<[^>]+>", "", (site / "getting-started.html").read_text())
-    assert f"git clone https://github.com/{repository}.git &amp;&amp; cd {repository.split('/')[1]}" in text
+    assert f"git clone https://github.com/{repository}.git\ncd {repository.split('/')[1]}\n" in text
     assert "&lt;this repository&gt;" not in text
 
 
