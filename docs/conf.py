@@ -76,6 +76,7 @@ extensions = [
     "sphinx_gallery.gen_gallery",
     "perf_summary",
     "repository",
+    "install_line",
     # After sphinx_gallery: it completes the gallery's downloads (and decides which lessons rerun).
     "lesson_files",
     "offline_math",

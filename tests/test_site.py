@@ -905,3 +905,28 @@ def test_a_failing_tutorial_fails_the_build_by_name(site, tmp_path):
     output = result.stdout + result.stderr
     assert "99-broken-lesson.py" in output
     assert "this lesson is broken on purpose" in output
+
+
+def test_the_install_line_names_the_versions_that_built_the_pages(tmp_path):
+    import install_line
+
+    record = {"platform": "GPU: NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130, Triton 3.6.0)", "on_gpu": True}
+    cpu = {"platform": "Triton interpreter on CPU (x86_64; torch 2.13.0+cpu, Triton 3.9.0): ...", "on_gpu": False}
+    (tmp_path / "02-a.json").write_text(json.dumps(cpu))
+    (tmp_path / "03-b.json").write_text(json.dumps(record))
+    command, said = install_line.install_text(tmp_path, ROOT / "requirements.txt")
+    assert command == "pip install torch==2.11.0 triton==3.6.0 matplotlib pandas"  # the GPU's, no +cu130
+    assert "NVIDIA H100" in said
+    (tmp_path / "03-b.json").unlink()
+    assert install_line.install_text(tmp_path, ROOT / "requirements.txt")[0].startswith("pip install torch==2.13.0 ")
+    (tmp_path / "02-a.json").unlink()
+    command, said = install_line.install_text(tmp_path, ROOT / "requirements.txt")
+    pins = dict(re.findall(r"^(torch|triton)==(\S+)", (ROOT / "requirements.txt").read_text(), re.M))
+    assert command == f"pip install torch=={pins['torch']} triton=={pins['triton']} matplotlib pandas"
+    assert "requirements.txt" in said
+
+
+def test_getting_started_shows_the_install_line_and_where_mac_and_windows_readers_go(site):
+    text = re.sub(r"<[^>]+>", "", (site / "getting-started.html").read_text())
+    assert re.search(r"pip install torch==[\d.]+ triton==[\d.]+ matplotlib pandas", text)
+    assert "WSL2" in text and "Linux only" in text

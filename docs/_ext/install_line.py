@@ -1,0 +1,78 @@
+"""The ``install-line`` directive: the ``pip install`` command of Getting started, with the
+PyTorch and Triton versions that produced this build's pages, read from the platform line of
+the lessons' results records (``GPU: <name> (torch X, Triton Y)``), never typed by hand.
+
+A GPU record wins over an interpreter one (the pages' numbers are the GPU's). A build with no
+records (``make html-noplot``) falls back to the versions pinned in requirements.txt, and says so.
+Local version labels (``2.11.0+cu130``) are dropped: pip installs the public release, and
+PyTorch's own selector picks the CUDA build.
+"""
+
+import json
+import os
+import re
+from pathlib import Path
+
+from docutils import nodes
+from docutils.parsers.rst import Directive
+
+PLATFORM = re.compile(r"torch (?P<torch>[\w.+]+), Triton (?P<triton>[\w.+]+)")
+EXTRAS = "matplotlib pandas"
+
+
+def built_versions(results_dir):
+    """(torch, triton, platform line) from the results records, a GPU's first; None without any."""
+    found = []
+    for path in sorted(Path(results_dir).glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        match = PLATFORM.search(str(record.get("platform", "")))
+        if match:
+            found.append((not record.get("on_gpu"), match["torch"], match["triton"], record["platform"]))
+    if not found:
+        return None
+    _, torch, triton, platform = min(found)
+    return torch.split("+")[0], triton.split("+")[0], platform
+
+
+def pinned_versions(requirements):
+    """(torch, triton) pinned in requirements.txt."""
+    pins = dict(re.findall(r"^(torch|triton)==([\w.]+)", Path(requirements).read_text(), re.M))
+    return pins["torch"], pins["triton"]
+
+
+def install_text(results_dir, requirements):
+    """(command, sentence) for the page."""
+    built = built_versions(results_dir)
+    if built:
+        torch, triton, platform = built
+        said = f"the versions that produced this site's pages ({platform})"
+    else:
+        torch, triton = pinned_versions(requirements)
+        said = "the versions pinned in the repository's requirements.txt (this build ran no lesson)"
+    return f"pip install torch=={torch} triton=={triton} {EXTRAS}", said
+
+
+class InstallLine(Directive):
+    has_content = False
+
+    def run(self):
+        env = self.state.document.settings.env
+        results = Path(os.environ.get("TUTORIAL_RESULTS_DIR", Path(env.app.confdir).parent / "build" / "results"))
+        command, said = install_text(results, Path(env.app.confdir).parent / "requirements.txt")
+        paragraph = nodes.paragraph(text=f"The install line below names {said}:")
+        block = nodes.literal_block(command, command, language="bash")
+        return [paragraph, block]
+
+
+def _always_reread(app, env, added, changed, removed):
+    """Getting started shows the versions of this build: read it again every build."""
+    return ["getting-started"] if "getting-started" in env.all_docs else []
+
+
+def setup(app):
+    app.add_directive("install-line", InstallLine)
+    app.connect("env-get-outdated", _always_reread)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}
