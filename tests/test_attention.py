@@ -1083,3 +1083,28 @@ def test_the_gluon_check_runs_only_when_its_answer_matters(monkeypatch):
 @pytest.mark.parametrize("ratio, text", [(0.5, "0.50x"), (0.998, "0.998x"), (0.99997, "0.99997x"), (1.0005, "1.00x")])
 def test_the_default_paths_best_ratio_under_one_does_not_print_as_one(ratio, text):
     assert HOPPER_FWD._below_one(ratio) == text
+
+
+def test_the_attention_blocks_diagram_draws_on_a_cpu():
+    """Lesson 05's picture: the causal grid of query against key blocks (one patch per block, the
+    focus row outlined) and one query block's S -> P -> O walk, no wider than the page allows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = stepkit.draw_attention_blocks(n_blocks=5, focus=2)
+    try:
+        grid, flow = fig.axes
+        assert len(grid.patches) == 5 * 5 + 1  # every block, then the focus row's outline
+        assert grid.patches[-1].get_width() == 3  # query block 2 walks key blocks 0 to 2
+        texts = [t.get_text() for t in flow.texts]
+        assert sum("S = Q_{2}" in t for t in texts) == 3
+        assert texts.count("rescale") == 2  # between the three steps
+        assert any("masked" in t for t in texts)
+        assert fig.get_figwidth() <= 9
+        fig.canvas.draw()
+    finally:
+        plt.close(fig)
+    with pytest.raises(ValueError, match="focus"):
+        stepkit.draw_attention_blocks(n_blocks=4, focus=4)

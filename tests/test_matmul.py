@@ -296,3 +296,31 @@ def test_the_back_to_back_sentence_follows_the_ratio():
     assert "1.11x" in faster and "faster" in faster and "L2" in faster and "host" not in faster
     slower = L.kit.back_to_back_line("Triton, grouped order", "n = 1024", 0.29)
     assert "0.29x" in slower and "slower" in slower and "host" in slower and "L2" not in slower
+
+
+def test_tile_diagram_draws_on_a_cpu():
+    """The figure of one program's tile of C and the slabs of A and B its K loop walks."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = L.kit.draw_matmul_tiles(tiles_m=3, tiles_n=4, tiles_k=5, tile=(2, 1), step=4)
+    assert len(fig.axes) == 3 and fig.get_size_inches()[0] <= 9
+    plt.close(fig)
+
+
+def test_program_order_heat_maps_count_the_slabs_in_flight():
+    """The heat maps of program order, drawn from program_order, title the slabs of A and B that the first
+    programs read: the same counts as slices_in_flight."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    orders = {f"GROUP_M = {g}": L.program_order(8, 8, g) for g in (1, 4)}
+    fig = L.kit.draw_program_orders(orders, in_flight=16)
+    titles = [ax.get_title() for ax in fig.axes[:2]]
+    assert "2 slabs of A, 8 of B" in titles[0] and "4 slabs of A, 4 of B" in titles[1]
+    assert fig.get_size_inches()[0] <= 9
+    plt.close(fig)

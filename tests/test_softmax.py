@@ -709,3 +709,18 @@ def test_lesson_03_says_where_bf16_runs_further_from_the_copy():
                        ("bfloat16", 131072): 2669.0, ("bfloat16", 262144): 2671.0}).rename_axis(["dtype", "N"])
     line = LESSON_03.by_dtype(speed, 2945.0)
     assert "N = 262144: 84% and 91%" in line and "further from it at: N = 131072." in line
+
+
+def test_split_row_diagram_draws_on_a_cpu():
+    """Lesson 03's schematic of programs sharing a row: one (m, d) per program and the arrival counter."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = LESSON_03.kit.draw_split_row(splits=3)
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert sum("$(m_" in t for t in texts) == 3
+    assert any("arrival counter" in t and "reads 3" in t for t in texts)
+    assert fig.get_size_inches()[0] <= 9
+    plt.close(fig)

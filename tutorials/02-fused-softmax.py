@@ -5,6 +5,10 @@ Fused softmax
 A row-wise softmax written as one Triton kernel that reads its input once and writes its
 output once, measured against PyTorch to see how close it gets to the speed of copying
 memory; and its backward, written the same way and checked against float64 autograd.
+Previous lesson: :doc:`01-first-kernel`, on programs, blocks and masks; next:
+:doc:`03-long-softmax`. Triton's functions are documented in `triton.language
+<https://triton-lang.org/main/python-api/triton.language.html>`_ (the row's reductions:
+`tl.max <https://triton-lang.org/main/python-api/generated/triton.language.max.html>`_).
 
 You will learn:
 
@@ -124,15 +128,15 @@ def softmax_row_kernel(
 # contiguous layout first (``kit.int32_columns``).
 #
 # A row must fit in one program's registers. A program runs on one streaming
-# multiprocessor (SM), with at most 1,024 threads that share the SM's 65,536 32-bit
-# registers: at most 64 registers per thread when all 1,024 run. A row of 32,768 fp32
-# values takes 32 of them per thread and leaves room for addresses and temporaries; a
-# row of 65,536 would need all 64 for the values alone, and the compiler would *spill*
-# the rest to local memory, which is device memory behind the caches. (Lesson 03
-# compiles such a kernel on the GPU at hand and prints the registers and spills it
-# gets.) The launchers therefore refuse rows longer than ``FUSED_LIMIT`` with an error
-# that points to the next lesson, which handles rows of any length and measures a
-# one-program kernel up to the limit.
+# multiprocessor (SM), which runs several programs at once and shares its 65,536 32-bit
+# registers among them; a program has at most 1,024 threads, so even alone on the SM it
+# gets at most 64 registers per thread. A row of 32,768 fp32 values takes 32 of them per
+# thread and leaves room for addresses and temporaries; a row of 65,536 would need all
+# 64 for the values alone, and the compiler would *spill* the rest to local memory,
+# which is device memory behind the caches. (Lesson 03 compiles such a kernel on the GPU
+# at hand and prints the registers and spills it gets.) The launchers therefore refuse
+# rows longer than ``FUSED_LIMIT`` with an error that points to the next lesson, which
+# handles rows of any length and measures a one-program kernel up to the limit.
 #
 # The two helpers below launch the forward pass only. The public, differentiable
 # launchers, ``softmax_one_row_per_program`` and ``softmax``, come with the backward

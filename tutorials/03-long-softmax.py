@@ -5,27 +5,30 @@ Softmax over rows too long for one tile
 The fused softmax of the previous lesson keeps a whole row in registers, which stops
 working once a row outgrows a program's registers. This lesson walks a row in chunks
 instead: first in three passes, then in two, with the *online softmax* trick that
-FlashAttention is built on.
+FlashAttention is built on. Previous lesson: :doc:`02-fused-softmax`, whose file must
+sit next to this one (the site's zip of all lessons has both): for short rows,
+``long_softmax`` runs its kernel. Next: :doc:`04-tiled-matmul`. Triton's functions:
+`triton.language <https://triton-lang.org/main/python-api/triton.language.html>`_,
+`tl.exp2 <https://triton-lang.org/main/python-api/generated/triton.language.exp2.html>`_
+below.
 
 You will learn:
 
 * why the one-tile kernel stops scaling, and what it costs to walk a row in chunks;
 * the three-pass softmax (max, sum, normalize) and the bytes it moves;
-* the online softmax of Milakov and Gimelshein (2018), derived step by step: a running
+* the online softmax of Milakov and Gimelshein, `Online normalizer calculation for
+  softmax <https://arxiv.org/abs/1805.02867>`_ (2018), derived step by step: a running
   maximum with a rescaled running sum, in two passes;
 * the *combine step* that merges two partial softmax states, which split-K decoding
   kernels reuse;
 * what ``exp2`` really saves over ``exp``, read from the instructions the compiler
   emits;
-* how far a single program can stretch before a row must leave the chip, and how
-  several programs can share one row so that it is still read only once;
+* how far a single program can stretch before a row must leave the chip, and
+  (optional) how several programs can share one row so that it is read only once;
 * which kernel to run at which row length, from measurements;
 * how to give chunked kernels a backward pass that works for rows of any length;
 * how each compares with ``torch.softmax`` and ``torch.compile``, as fractions of the
   copy bandwidth.
-
-This lesson needs ``02-fused-softmax.py`` next to it (the site's zip of all lessons has
-both): for short rows, its ``long_softmax`` runs that lesson's kernel.
 """
 
 # %%
@@ -52,13 +55,14 @@ FUSED = kit.load_lesson("02-fused-softmax")  # short rows share a program there
 # ----------------------------------
 # A Triton program runs on one streaming multiprocessor (SM) and holds everything in
 # that SM's registers (64K 32-bit registers, 256 KiB, on an H100) and shared memory (up
-# to 228 KiB). With at most 1,024 threads, a program taking the whole SM gets at most 64
-# registers per thread. A row of :math:`N = 65{,}536` fp32 values is 256 KiB, 64 values
-# per thread: with the addresses and temporaries the math needs, it cannot fit, and the
-# compiler *spills* the rest to local memory (device memory behind the caches). Half
-# that row fits; the exact limit is measured below. Past it, a kernel walks the row in
-# ``BLOCK_N``-element chunks, at a price: a softmax needs the row's maximum and sum
-# before any output, so each chunk is read more than once.
+# to 228 KiB), shared by the several programs it runs at once. A program has at most
+# 1,024 threads; even alone on the SM it gets at most 64 registers per thread. A row of
+# :math:`N = 65{,}536` fp32 values is 256 KiB, 64 values per thread: with the addresses
+# and temporaries the math needs, it cannot fit, and the compiler *spills* the rest to
+# local memory (device memory behind the caches). Half that row fits; the exact limit is
+# measured below. Past it, a kernel walks the row in ``BLOCK_N``-element chunks, at a
+# price: a softmax needs the row's maximum and sum before any output, so each chunk is
+# read more than once.
 #
 # Three passes
 # ------------
@@ -84,16 +88,16 @@ FUSED = kit.load_lesson("02-fused-softmax")  # short rows share a program there
 #   ``tl.exp2(s * (scale * LOG2E))`` one.
 #
 # With no other multiply here, each element costs one subtract, one multiply and one
-# ``MUFU.EX2``, where ``tl.exp(x - m)`` would add the compare and two multiplies
-# (whether that shows in the time of these memory-bound kernels is not measured). The
-# order of subtract and multiply matters: scaling :math:`x` by :math:`\log_2 e` on load
-# and subtracting a scaled maximum later is tempting, but for logits near :math:`10^4`
-# the product is rounded to fp32's spacing there (about :math:`10^{-3}`): a
-# :math:`10^{-3}` relative error in every output. Subtracting first is exact for nearby
-# values, and the small difference then scales without loss. (The attention lessons
-# fold the scale into the scores anyway: their scores are small.) Second, each chunk's
-# maximum and sum are kept *per lane* (a vector of ``BLOCK_N`` partial results),
-# reduced across lanes once, after the loop.
+# ``MUFU.EX2``, where ``tl.exp(x - m)`` would add the compare and two multiplies (their
+# cost in time is not measured). The order of subtract and multiply
+# matters: scaling :math:`x` by :math:`\log_2 e` on load and subtracting a scaled
+# maximum later is tempting, but for logits near :math:`10^4` the product is rounded to
+# fp32's spacing there (about :math:`10^{-3}`): a :math:`10^{-3}` relative error in
+# every output. Subtracting first is exact for nearby values, and the small difference
+# then scales without loss. (The attention lessons fold the scale into the scores
+# anyway: their scores are small.) Second, each chunk's maximum and sum are kept *per
+# lane* (a vector of ``BLOCK_N`` partial results), reduced across lanes once, after the
+# loop.
 
 
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): e^x = 2^(x * LOG2E)
@@ -212,10 +216,11 @@ def online_softmax_kernel(
 # One pass, while the row still fits
 # ----------------------------------
 # Between "fits in a few warps" and "cannot fit at all", a row fits in one program only
-# if that program takes the whole SM: 32 warps (1,024 threads), each thread holding a
-# few dozen elements in registers. The row is then read once and written once, like the
-# fused kernel. Where it starts to spill is for the compiler and GPU to say: see "Where
-# a row stops fitting on chip", after the benchmark.
+# if that program has the most threads a program can have, 32 warps (1,024 threads),
+# each holding a few dozen elements in registers: then the SM runs it alone. The row is
+# then read once and written once, like the fused kernel. Where it starts to spill is
+# for the compiler and GPU to say: see "Where a row stops fitting on chip", after the
+# benchmark.
 
 
 @triton.jit
@@ -304,13 +309,11 @@ def softmax_backward_kernel(
 # hardware scheduler keeps every SM busy without a persistent loop. Chunks are 4,096
 # elements on 8 warps (16 per thread); tests force tiny ones with ``block_n`` so that
 # the loops run many times. A chunk must be a power of two, like Triton's block shapes:
-# a bad ``block_n`` is refused here by name, not deep in the kernel by the interpreter
-# with a message about ``arange``. As in lesson 02, a *negative view*
-# (``torch._neg_view(x)``, or ``x.conj().imag`` of a complex tensor) is resolved first:
-# it shares memory with the un-negated values, carrying only a flag that a kernel
-# reading raw memory never sees. The autograd wrapper is lesson 02's, with the backward
-# above (``forward`` saves :math:`y`); calls that want no graph, such as the
-# benchmark's, skip it and pay nothing.
+# a bad ``block_n`` is refused here by name, not deep in the kernel. As in lesson 02, a
+# *negative view* (``torch._neg_view(x)``, or ``x.conj().imag``), whose memory holds
+# the un-negated values, is resolved first. The autograd wrapper is lesson 02's, with
+# the backward above (``forward`` saves :math:`y`); calls that want no graph, such as
+# the benchmark's, skip it and pay nothing.
 
 check_input, SUPPORTED_DTYPES = FUSED.check_input, FUSED.SUPPORTED_DTYPES
 ROW_ON_CHIP_LIMIT = 32768  # longest row (elements) row_on_chip_kernel is launched for
@@ -380,20 +383,25 @@ def row_on_chip_softmax(x):
 
 
 # %%
-# Beyond one SM: programs that share a row
-# ----------------------------------------
-# Past one SM, the two-pass kernel reads a row twice: a ceiling of two thirds of the
-# copy bandwidth, unless the L2 cache serves the second read ("What the numbers say"
-# prints the two-pass share: past 2/3, it did). To read a long row once, several
-# programs share it. Each of ``SPLITS`` programs holds one chunk in registers, computes
-# its maximum :math:`m_c` and sum :math:`d_c = \sum e^{x - m_c}`, publishes the pair to
-# a small buffer in device memory, increments the row's *arrival counter*, waits until
-# it shows every chunk has arrived, merges the pairs with the combine step and
-# normalizes the chunk it still holds: each element read and written once, like the
-# fused kernel, for rows of any length the whole GPU can hold. A kernel's programs
-# normally never wait for one another, so this takes care (on Hopper, thread-block
-# clusters with distributed shared memory do the exchange in hardware, without a round
-# trip through device memory; Triton does not expose them):
+# Optional: programs that share a row
+# -----------------------------------
+# FlashAttention does not need this section (its programs split work by blocks of
+# queries, not one row across programs); skip to "Correctness" on a first reading. Past
+# one SM, the two-pass kernel reads a row twice: a ceiling of two thirds of the copy
+# bandwidth, unless the L2 cache serves the second read ("What the numbers say" prints
+# the two-pass share: past 2/3, it did). To read a long row once, several programs share
+# it. Each of ``SPLITS`` programs holds one chunk in registers, computes its maximum
+# :math:`m_c` and sum :math:`d_c = \sum e^{x - m_c}`, publishes the pair to a small
+# buffer in device memory, increments the row's *arrival counter*, waits until it shows
+# every chunk has arrived, merges the pairs with the combine step and normalizes the
+# chunk it still holds: each element read and written once, like the fused kernel, for
+# rows of any length the whole GPU can hold:
+
+if __name__ == "__main__":
+    kit.draw_split_row()
+
+# %%
+# A kernel's programs normally never wait for one another, so this takes care:
 #
 # * **Every program of a row must be running at the same time**, or the waiting ones
 #   spin forever on a chunk that never arrives. So the launcher compiles the kernel
@@ -542,9 +550,8 @@ def split_row_softmax(x, chunk=None, num_warps=None):
     return differentiable(lambda t: _split_row(t, chunk, num_warps), x)
 
 
-# Up to this row length, lesson 02's ``softmax`` (tiles of several short rows per
-# program, and from its ``LONG_ROW`` on its one-row kernel) beat the row-on-chip kernel
-# when measured on a GPU (the engineering notes give the numbers).
+# Up to this row length, lesson 02's ``softmax`` (row tiles, from its ``LONG_ROW`` one
+# row per program) beat the row-on-chip kernel on a GPU (numbers: engineering notes).
 TILE_LIMIT = 8192
 
 
@@ -562,10 +569,9 @@ def long_softmax(x):
 # %%
 # Correctness
 # -----------
-# Check all four kernels against a float64 reference on an irregular shape, with chunks
-# small enough that the loops run many times and the last chunk is ragged, values and
-# gradients alike. ``torch.testing.assert_close`` compares element by element, so a
-# single ``NaN`` fails.
+# All four kernels, values and gradients, against float64 on an irregular shape, with
+# chunks small enough that the loops run many times and the last chunk is ragged.
+# ``torch.testing.assert_close`` compares element by element: a single ``NaN`` fails.
 
 if __name__ == "__main__":
     torch.manual_seed(0)
@@ -604,11 +610,10 @@ if __name__ == "__main__":
 # ``torch.softmax``, ``torch.compile`` (GPU only) and the copy bandwidth measured in
 # this run.
 #
-# How we time, as the :doc:`performance page <../performance>` defines it ("How we
-# time"): every provider by *GPU time* (replays of a CUDA graph after an L2 flush),
-# which the table reads, and *back to back* (calls enqueued in a row, what a loop
-# sees), which the sentences add. Under the interpreter both are NumPy's wall-clock
-# time on the CPU: illustrative.
+# How we time: by *GPU time* (CUDA graph replays after an L2 flush; the table) and *back
+# to back* (calls in a row, as a loop sees them; the sentences), as the
+# :doc:`performance page <../performance>` defines them ("How we time"). Under the
+# interpreter both are NumPy's wall-clock time on the CPU: illustrative.
 
 OURS = {
     "three-pass": three_pass_softmax,
@@ -645,22 +650,20 @@ if __name__ == "__main__":
 # %%
 # The results
 # -----------
-# Every provider's speed in GB/s at each row length, by GPU time, in this run (empty
-# where a kernel does not run, as row-on-chip past ``ROW_ON_CHIP_LIMIT``; whole GB/s on
-# a GPU, three significant digits for the interpreter; a range where a provider's
-# timings spread by more than 10%):
+# Each provider's GB/s per row length, by GPU time, in this run (empty where a kernel
+# does not run, as row-on-chip past ``ROW_ON_CHIP_LIMIT``; a range where its timings
+# spread by more than 10%):
 
 kit.rates_table(results, ["dtype", "N"], "GB/s") if __name__ == "__main__" else None
 
 # %%
 # What the numbers say
 # --------------------
-# From the table just above, in this run: for each row length, the fastest of this
-# lesson's kernels, its speed relative to the best PyTorch peer, and its share of the
-# copy bandwidth, by GPU time, then back to back. The byte counts predict at most 1/2 of
-# the copy bandwidth for three passes, 2/3 for two, all of it for one pass; a pass
-# re-reading a row still in the L2 cache can beat that, the more so the shorter the row:
-# the table shows by how much.
+# From the table above, per row length: the fastest of this lesson's kernels, its speed
+# against the best PyTorch peer and its share of the copy bandwidth, by GPU time, then
+# back to back. The byte counts predict at most 1/2 of the copy bandwidth for three
+# passes, 2/3 for two, all of it for one; a pass re-reading a row still in the L2 cache
+# can beat that, the more so the shorter the row: the table shows by how much.
 
 if __name__ == "__main__":
     peers = [c for c in table.columns if c not in OURS]
@@ -686,9 +689,8 @@ if __name__ == "__main__":
 # %%
 # How close to the copy bandwidth?
 # --------------------------------
-# The same numbers as the results table above, one panel per dtype. The dashed line is
-# the copy bandwidth, drawn behind the curves so that a kernel running at it stays
-# visible.
+# The results table above, one panel per dtype; the dashed line is the copy bandwidth,
+# drawn behind the curves so that a kernel running at it stays visible.
 
 if __name__ == "__main__":
     title = f"Long-row softmax, M = {M} rows: speed against the copy bandwidth"
@@ -702,10 +704,10 @@ if __name__ == "__main__":
 # did in this run), look here: each split-row program gets 32 KiB of the row in both
 # dtypes, twice the elements in bf16, each held as fp32 in registers until the row's
 # statistics arrive. More registers per thread mean fewer programs per SM, and while a
-# program waits for the rest of its row, only the other programs on its SM keep loads in
-# flight. This cell asks the compiler per dtype for registers per thread and programs
-# per SM (the chunk is fixed in bytes, so they hold at every length): how much of the
-# row each SM can be loading at once. Lesson 10 keeps the chunk in shared memory.
+# program waits for its row, only the SM's other programs keep loads in flight. This
+# cell asks the compiler per dtype for registers per thread and programs per SM (fixed
+# at every length with the chunk): how much of the row each SM can be loading at once.
+# Lesson 10 keeps the chunk in shared memory.
 
 
 def by_dtype(speed, copy_gbs):
@@ -739,12 +741,11 @@ elif __name__ == "__main__":
 # %%
 # Where a row stops fitting on chip
 # ---------------------------------
-# By lesson 02's register argument (and this lesson's top), a row of 32,768 fp32 values
-# (32 per thread of 1,024) fits with room for temporaries; one of 65,536 (64 per
-# thread) cannot. On a GPU, this cell compiles the row-on-chip kernel with 32 warps for
-# rows of 16,384, 32,768 and 65,536 fp32 values (launched directly, past the launcher's
-# limit) and prints the registers and local memory (spills) per thread it got, and its
-# speed on :math:`M = 4096` rows, by GPU time.
+# By the register argument at the top, a row of 32,768 fp32 values (32 per thread of
+# 1,024) fits with room for temporaries; one of 65,536 (64 per thread) cannot. On a
+# GPU, this cell compiles the row-on-chip kernel with 32 warps for rows of 16,384,
+# 32,768 and 65,536 fp32 values (launched directly, past the launcher's limit) and
+# prints the registers and spills per thread and the speed on 4096 rows (GPU time).
 
 if __name__ == "__main__" and kit.ON_GPU:
     for block_n in (16384, 32768, 65536):
@@ -768,10 +769,9 @@ elif __name__ == "__main__":
 # %%
 # Exercises
 # ---------
-# Each exercise has a check that runs your function on fresh random inputs of irregular
-# shapes against a float64 reference with ``torch.testing.assert_close`` (so ``NaN``
-# fails), then raises ``AssertionError`` saying what is wrong or prints one line saying
-# it passed. No solutions here.
+# Each exercise's check runs your function on fresh random inputs of irregular shapes
+# against a float64 reference with ``torch.testing.assert_close`` (``NaN`` fails), and
+# raises ``AssertionError`` saying what is wrong or prints one line. No solutions here.
 #
 # 1. **Two loops, one state per row.** Turn ``three_pass_kernel`` into two loops: the
 #    first keeps one running :math:`(m, d)` per row (not per lane as in

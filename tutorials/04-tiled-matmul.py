@@ -6,7 +6,11 @@ A matrix multiplication :math:`C = AB` written as one Triton kernel, in which ea
 program computes one tile of :math:`C` with ``tl.dot``. The softmax lessons moved bytes;
 this one does arithmetic. The attention lessons that follow are built from exactly these
 tiles: they compute :math:`QK^T` and :math:`PV` one block of queries against one block
-of keys or values at a time.
+of keys or values at a time. Previous lesson: :doc:`03-long-softmax`; next:
+:doc:`05-fused-attention-v1`. The Triton functions used here are documented in
+`triton.language <https://triton-lang.org/main/python-api/triton.language.html>`_, the
+heart of this lesson at `tl.dot
+<https://triton-lang.org/main/python-api/generated/triton.language.dot.html>`_.
 
 You will learn:
 
@@ -16,8 +20,9 @@ You will learn:
   layout;
 * the roofline arithmetic: how many FLOPs a tile does per byte it loads, why larger
   tiles do more, and what stops them growing;
-* how the order in which programs run decides what the L2 cache can share, timed side by
-  side, and why attention faces the same question;
+* how the order in which programs run changes which slices of :math:`A` and
+  :math:`B` they can share in the L2 cache, whether that shows in this GPU's times, and
+  why attention faces the same question;
 * an interpreter pitfall with bf16 in ``tl.dot``, and the ``UPCAST_DOT`` flag the
   attention lessons use for it.
 """
@@ -109,6 +114,15 @@ tiles.rename_axis("tile (BM x BN)").round(1) if __name__ == "__main__" else None
 #
 # The kernel
 # ----------
+# One program owns one tile of :math:`C` (dark, right) and reads the row slab of
+# :math:`A` and the column slab of :math:`B` that meet there, one ``BLOCK_K`` slice of
+# each per step of its loop along :math:`K`: the steps already summed into its
+# accumulator are shaded medium, the one in progress dark.
+
+if __name__ == "__main__":
+    kit.draw_matmul_tiles()
+
+# %%
 # Program ``pid`` first works out which tile of :math:`C` it owns (``tile_of_program``;
 # its order is the subject of a later section), then walks :math:`K`:
 #
@@ -326,7 +340,8 @@ if __name__ == "__main__":
 # order walks ``GROUP_M`` rows of tiles column by column, a squarer patch that needs
 # fewer distinct slices for as many tiles. The small kernel below runs
 # ``tile_of_program`` for every program id and writes down which program computes each
-# tile, first on a grid of 5 x 6 tiles.
+# tile. The heat maps draw it for a grid of 8 x 8 tiles (dark: early), the first 16
+# programs outlined, in row-major order and in groups of four rows.
 
 
 @triton.jit
@@ -356,10 +371,8 @@ def slices_in_flight(order, programs):
 
 
 if __name__ == "__main__":
-    for group_m in (1, 2):
-        print(f"GROUP_M = {group_m}:")
-        for row in program_order(5, 6, group_m).tolist():
-            print(" ".join(f"{p:3d}" for p in row))
+    orders = {f"GROUP_M = {g}": program_order(8, 8, g) for g in (1, 4)}
+    kit.draw_program_orders(orders, in_flight=16)
     BM, BN, BK, n, sms = 128, 256, 64, 8192, H100_DATASHEET["sms"]
     flops = sms * 2 * BM * BN * BK
     for group_m in (1, GROUP_M):
@@ -492,6 +505,12 @@ if __name__ == "__main__":
     )
     for row in kit.back_to_back_gaps(results).itertuples():
         print(kit.back_to_back_line(row.provider, f"n = {row.size}", row.b2b_ratio))
+    if kit.ON_GPU:  # programs of the picked tile against SMs: how many waves
+        gpu_sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+        for n, t in tiles.items():
+            count = triton.cdiv(n, t["BLOCK_M"]) * triton.cdiv(n, t["BLOCK_N"])
+            tile = f"{t['BLOCK_M']} x {t['BLOCK_N']}"
+            print(f"n = {n}: {count} programs of {tile} for {gpu_sms} SMs")
     above = table[PEER][table[PEER] > peak]
     if len(above):
         print(
@@ -510,11 +529,17 @@ if __name__ == "__main__":
     kit.save_results("04-tiled-matmul", [dict(benchmark, rows=rows)])
 
 # %%
-# Where this kernel trails ``torch.matmul`` on a GPU, the gap comes from what a library
-# kernel adds beyond tiles. On Hopper that includes loading slices with the tensor
-# memory accelerator (TMA) and *warp specialization*, some warps loading while others
-# compute; the Hopper lessons later on this site use both. What this kernel has that a
-# library call lacks is a place to put more work between the last ``tl.dot`` and the
+# Where this kernel trails ``torch.matmul`` at the smallest size, count its programs
+# first: on a GPU the last lines above divide the programs that the picked tile makes
+# by the SMs. Programs start in *waves* of what the SMs hold at once; where there are
+# fewer programs than SMs, or barely more than a whole number of them, SMs sit idle
+# for all or part of the run however fast each program is (an SM runs several programs
+# at once where their registers and shared memory fit, but it cannot run programs the
+# grid does not have). A library can pick a smaller tile there, or split :math:`K`
+# among programs, to make more of them; this kernel's autotuner only chooses among its
+# three tiles. At the larger sizes the programs fill many waves, and what is left is
+# how each program runs, which the Hopper lessons take apart. What this kernel has that
+# a library call lacks is a place to put more work between the last ``tl.dot`` and the
 # store, which is where the exercises start.
 #
 # Exercises

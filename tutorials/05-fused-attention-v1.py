@@ -1,19 +1,37 @@
 """
-Fused attention v1: the FlashAttention-1 algorithm
-==================================================
+Fused attention v1: Triton's 2022 FlashAttention
+================================================
 
 Attention, :math:`O = \\mathrm{softmax}(\\tau\\,QK^T)\\,V` with a scale :math:`\\tau`,
-computed without ever writing the :math:`N \\times N` matrix of scores to memory, as
-FlashAttention (Dao et al., 2022) first did. That algorithm, taught by Triton's 2022
-tutorial, is the step from lesson 03's online softmax to FlashAttention-2 (next lesson),
-kept alive here on purpose.
+computed without ever writing the :math:`N \\times N` matrix of scores to memory. Rabe
+and Staats were the first to avoid it (`Self-attention Does Not Need O(n²) Memory
+<https://arxiv.org/abs/2112.05682>`_, 2021); FlashAttention (Dao et al., 2022,
+`arXiv:2205.14135 <https://arxiv.org/abs/2205.14135>`_) made it the first IO-aware
+fused GPU kernel, built on the online softmax of Milakov and Gimelshein
+(`arXiv:1805.02867 <https://arxiv.org/abs/1805.02867>`_), taught in
+:doc:`03-long-softmax`; the matrix products are :doc:`04-tiled-matmul`'s tiles.
+
+This lesson's forward is Triton's 2022 tutorial kernel, not Algorithm 1 of the
+FlashAttention paper. Algorithm 1 loops over key/value blocks outside and query blocks
+inside, so it reads and writes :math:`O`, :math:`m` and :math:`\\ell` in memory at every
+step. Triton's kernel runs one program per query block (parallel over query blocks,
+batch and heads) whose loop walks the key blocks, with :math:`O`, :math:`m` and
+:math:`\\ell` in registers: the loop order FlashAttention-2
+(`arXiv:2307.08691 <https://arxiv.org/abs/2307.08691>`_) later adopted. From
+FlashAttention-1 it keeps the arithmetic: the output normalized at every step,
+:math:`m` and :math:`\\ell` saved apart. That loop order is why its forward can come
+close to PyTorch's flash backend, which runs FlashAttention-2 ("Reading the numbers"
+computes how close in this run, on a GPU). It is the step from the online softmax to
+FlashAttention-2 (next lesson, :doc:`06-fused-attention-v2-forward`), kept alive here
+on purpose.
 
 You will learn:
 
 * how the online softmax becomes an online *softmax-weighted sum*, for one query row,
   then for a block of rows with matrix multiplications;
-* the FlashAttention-1 forward: running maximum :math:`m` and sum :math:`\\ell` kept
-  apart, the output rescaled at every step, the statistics saved for the backward;
+* the forward: one program per query block walking the key blocks (drawn below),
+  running maximum :math:`m` and sum :math:`\\ell` kept apart, the output rescaled at
+  every step, the statistics saved for the backward;
 * its backward: a preprocess, one program per (batch, head) walking the key blocks,
   :math:`dQ` accumulated in fp32 through memory; why it divides :math:`dO` by
   :math:`\\ell` first (derived), what that costs in fp16, and one reason it is slow
@@ -96,6 +114,16 @@ if __name__ == "__main__":
 # multiplication per probability, every step, which FlashAttention-2 removed by
 # normalizing once at the end (it still rescales the accumulator by
 # :math:`e^{m - m'}`). v1 saves :math:`\ell` and :math:`m` per row for the backward.
+#
+# The figure after the kernel draws it: on the left, one program per query block
+# (a row of the grid), walking the key blocks up to the causal diagonal; on the right,
+# one query block's walk, each key block's scores :math:`S` turned into probabilities
+# :math:`P` and added into the running state, which is rescaled at every step. The
+# Triton documentation describes the two calls that do the work: `tl.dot`_, the matrix
+# products, and `tl.max`_, the rows' maxima.
+#
+# .. _tl.dot: https://triton-lang.org/main/python-api/generated/triton.language.dot.html
+# .. _tl.max: https://triton-lang.org/main/python-api/generated/triton.language.max.html
 
 
 @triton.jit
@@ -153,6 +181,9 @@ def attn_fwd_v1_kernel(
     o_ptrs = O + b * sob + h * soh + rows[:, None] * son + d[None, :] * sod
     tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None])
 
+
+if __name__ == "__main__":
+    kit.draw_attention_blocks(n_blocks=6, focus=3)
 
 # %%
 # The backward pass, derived
@@ -336,7 +367,7 @@ class _AttentionV1(torch.autograd.Function):
 
 
 def attention(q, k, v, causal, sm_scale):
-    """FlashAttention-1: softmax(q k^T * sm_scale) v over (batch, heads, sequence,
+    """v1 attention: softmax(q k^T * sm_scale) v over (batch, heads, sequence,
     head_dim) tensors."""
     kit.check_attention_inputs(q, k, v, causal, sm_scale)
     return _AttentionV1.apply(*kit.resolved(q, k, v), causal, float(sm_scale))
@@ -426,7 +457,7 @@ if __name__ == "__main__":
 # :doc:`performance page <../performance>` gives the method in full ("How we time").
 # Under the interpreter, the numbers time NumPy on the CPU: they only illustrate.
 
-OURS = "Triton v1 (this lesson)"
+OURS = "Triton v1"
 INDEX = ["D", "causal", "mode", "N"]
 
 
@@ -483,6 +514,14 @@ kit.rates_table(results, INDEX, "TFLOP/s") if __name__ == "__main__" else None
 if __name__ == "__main__":
     peers = [c for c in kit.SDPA_PEERS if c in table]
     print("\n".join(kit.peer_lines(table, b2b, peak, OURS, peers, name="v1").values()))
+    if "SDPA flash" in table:  # FlashAttention-2, the loop order v1's forward shares
+        fwd = table.xs("fwd", level="mode")
+        near = fwd[OURS] / fwd["SDPA flash"]
+        close = near.min() >= 0.85
+        print(f"Forward, v1 against SDPA flash (FlashAttention-2): {near.min():.2f}x "
+              f"to {near.max():.2f}x; " + ("within 15% at every size, as the shared "
+              "loop order lets it" if close else "more than 15% apart at some size: "
+              "what else FlashAttention-2 changes is lesson 06's subject"))
     if kit.ON_GPU:
         print(kit.b2b_overview(table, b2b))
     interpreted = "These are interpreter timings: they measure NumPy on the CPU."
@@ -497,14 +536,15 @@ if __name__ == "__main__":
 # Why the backward is slow: how many programs an SM needs
 # -------------------------------------------------------
 # At the benchmark's :math:`B \cdot H = 128`, the backward runs 128 programs, one per
-# (batch, head): about one per SM on a large GPU (an H100 SXM has 132). The GPU does not
-# idle for lack of programs, but each SM idles inside its one program, whose 4 warps
-# walk the key blocks in turn: while they wait for a load or the tensor cores, no other
-# program can use the SM. Below, :math:`N` is fixed and :math:`B \cdot H` is 1, 2, 4 and
-# 8 times this GPU's SM count, timed as the benchmark times. If the rate grows with
-# programs per SM, the kernel is latency-bound, and part of the fix is more, smaller,
-# independent programs: FlashAttention-2's backward, one program per *key block*. The
-# last line sets what they buy beside the gap to SDPA in the benchmark.
+# (batch, head): about one per SM on a large GPU (the code below reads this one's
+# count). The GPU does not idle for lack of programs, but each SM idles inside its one
+# program, whose 4 warps walk the key blocks in turn: while they wait for a load or the
+# tensor cores, no other program is there to use the SM. Below, :math:`N` is fixed and
+# :math:`B \cdot H` is 1, 2, 4 and 8 times this GPU's SM count, timed as the benchmark
+# times. If the rate grows with programs per SM, the kernel is latency-bound, and part
+# of the fix is more, smaller, independent programs: FlashAttention-2's backward, one
+# program per *key block*. The last line sets what they buy beside the gap to SDPA in
+# the benchmark.
 
 
 def per_sm_cases(sms, N, D):

@@ -2,12 +2,15 @@
 Fused attention v2: FlashAttention-2's forward
 ==============================================
 
-FlashAttention-2 (Dao, 2023) reorganizes the FlashAttention-1 algorithm of the previous
-lesson so that a GPU spends its time in matrix multiplications. This lesson builds its
-forward pass in portable Triton, correct for every sequence length, head dimension and
-masking mode, and measures it against PyTorch's cuDNN and flash backends. The next
-lesson derives and builds the backward pass on top of it, and lessons 11 to 13 take the
-same algorithm to Hopper's warp-specialized design (FlashAttention-3) in Gluon.
+FlashAttention-2 (Dao, 2023, `arXiv:2307.08691 <https://arxiv.org/abs/2307.08691>`_)
+reorganizes FlashAttention-1 (`arXiv:2205.14135 <https://arxiv.org/abs/2205.14135>`_),
+whose arithmetic the previous lesson, :doc:`05-fused-attention-v1`, runs, so that a GPU
+spends its time in matrix multiplications. This lesson builds its forward pass in
+portable Triton, correct for every sequence length, head dimension and masking mode,
+and measures it against PyTorch's cuDNN and flash backends. The next lesson,
+:doc:`07-fused-attention-v2-backward`, derives and builds the backward pass on top of
+it, and lessons 11 to 13 take the same algorithm to Hopper's warp-specialized design
+(FlashAttention-3, `arXiv:2407.08608 <https://arxiv.org/abs/2407.08608>`_) in Gluon.
 
 You will learn:
 
@@ -49,13 +52,25 @@ V1 = kit.load_lesson("05-fused-attention-v1")  # its kernel, compared below
 # %%
 # What changes from v1, and why
 # -----------------------------
+# * **The loop order, and a grid over the sequence: already in lesson 05.** The
+#   FlashAttention paper's Algorithm 1 loops over key/value blocks outside and query
+#   blocks inside, so it reads and writes :math:`O`, :math:`m` and :math:`\ell` in
+#   memory at every step, and its kernel runs one program per (batch, head).
+#   FlashAttention-2's main forward change (its sections 3.1 and 3.2) swaps the loops:
+#   one program per query block walks the key blocks with :math:`O`, :math:`m` and
+#   :math:`\ell` in registers, and the grid spans the sequence as well as batch and
+#   heads, enough programs to fill a GPU at small batches. Triton's 2022 kernel of
+#   lesson 05 already runs that way, so against lesson 05 v2 changes what follows:
+#   fewer operations outside the matrix products, one saved number per row (the
+#   log-sum-exp, not :math:`m` and :math:`\ell`), fewer masks.
 # * **Normalize once, at the end.** v1 kept its accumulator normalized: at every key
 #   block it computed two per-row factors (each with a division by the new running sum)
 #   and multiplied the whole accumulator and the whole probability tile by them. v2
 #   keeps the *unnormalized* sum :math:`a = \sum_j e^{s_j - m} v_j` and divides by
 #   :math:`\ell` once after the loop. Inside the loop only the rescaling of the
 #   accumulator by :math:`e^{m - m'}` remains: one multiplication per accumulator
-#   element per block, and none on the probabilities.
+#   element per block, and none on the probabilities: the paper's "fewer non-matmul
+#   FLOPs" (its section 3.1), a change from Algorithm 1 and lesson 05 alike.
 # * **exp2, with** :math:`\log_2 e` **folded into the scale.** The scores are multiplied
 #   by ``sm_scale`` anyway; multiplying by ``sm_scale * log2(e)`` instead makes every
 #   exponential a bare ``exp2``, one hardware instruction, and saves the multiplication
@@ -584,7 +599,7 @@ if __name__ == "__main__":
 # interpreter the numbers only illustrate.
 
 PEERS = ("SDPA cuDNN", "SDPA flash") if kit.ON_GPU else ("SDPA math",)
-OURS = "Triton v2 (this lesson)"
+OURS = "Triton v2"
 V1_NAME = "Triton v1 (lesson 05)"
 if kit.ON_GPU:
     CASES, SIZES = [(4, 32, 64), (4, 16, 128)], [1024, 2048, 4096, 8192, 16384]

@@ -2,11 +2,15 @@
 Fused attention v2: FlashAttention-2's backward
 ===============================================
 
-The previous lesson built FlashAttention-2's forward pass. This lesson derives the
-backward pass from it and builds it in portable Triton, correct for every sequence
-length, head dimension and masking mode, in two versions: with a pass of its own for
-:math:`dQ`, and with FlashAttention-2's atomic additions. It connects them to PyTorch's
-autograd and measures both against PyTorch's cuDNN and flash backends.
+The previous lesson, :doc:`06-fused-attention-v2-forward`, built the forward pass of
+FlashAttention-2 (`arXiv:2307.08691 <https://arxiv.org/abs/2307.08691>`_). This lesson
+derives the backward pass from it and builds it in portable Triton, correct for every
+sequence length, head dimension and masking mode, in two versions: with a pass of its
+own for :math:`dQ`, and with FlashAttention-2's atomic additions (`tl.atomic_add
+<https://triton-lang.org/main/python-api/generated/triton.language.atomic_add.html>`_).
+It connects them to PyTorch's autograd and measures both against PyTorch's cuDNN and
+flash backends. The Hopper part takes both passes to Gluon:
+:doc:`11-hopper-forward-gluon` and :doc:`13-hopper-backward-gluon`.
 
 You will learn:
 

@@ -416,6 +416,23 @@ def time_calls(calls):
     return {key: m for (_, key), m in found.items()}
 
 
+def size_benchmark(sizes, timers, work):
+    """Rates of every provider at each size N of sizes: timers(N) gives {provider:
+    Timer}, timed as time_calls does (a size's inputs live while it is timed), and
+    work(N) is one call's work per millisecond of the rate's unit. Returns (results,
+    by GPU time, back to back): the rows as a DataFrame, case column "N", and the
+    rate_tables of them, index N, a column per provider."""
+    import pandas as pd
+
+    rows = [
+        dict(N=n, provider=name, **m.row(work(n)))
+        for n in sizes
+        for name, m in time_calls(timers(n)).items()
+    ]
+    results = pd.DataFrame(rows)
+    return (results, *rate_tables(results, ["N"]))
+
+
 def shown_rate(value, slowest=None):
     """A rate as a page shows it: three significant digits under the
     interpreter, whole numbers on a GPU, a range where timings spread."""
@@ -486,6 +503,7 @@ def ceiling_line(peak):
 STYLE = {
     "copy of the same bytes": ("#7f7f7f", "."),
     "torch.softmax": ("#1f77b4", "s"),
+    "torch.add": ("#1f77b4", "s"),
     "torch.compile": ("#2ca02c", "^"),
     "naive PyTorch": ("#bcbd22", "v"),
     "cuBLAS (torch.matmul)": ("#1f77b4", "s"),
@@ -640,12 +658,67 @@ def expect_close(exercise, case, what, got, expected, dtype, rtol, atol):
         ) from None
 
 
+def expect_elementwise(exercise, case, got, expected, dtype):
+    """AssertionError at the first element of got that is not within TOLERANCE[dtype]
+    of expected (float64), relative, or a hundredth of it absolute, saying how far
+    off it is; NaN is wrong. got must be a tensor of expected's shape, of dtype."""
+    shaped = isinstance(got, torch.Tensor) and got.shape == expected.shape
+    if not (shaped and got.dtype == dtype):  # expect_close says what it should be
+        expect_close(exercise, case, "the output", got, expected, dtype, 0, 0)
+    tol = TOLERANCE[dtype]
+    got = got.double()
+    wrong = ~torch.isclose(got, expected.double(), rtol=tol, atol=tol / 100)
+    if wrong.any():
+        index = tuple(wrong.nonzero()[0].tolist())
+        g, e = got[index].item(), expected[index].item()
+        raise AssertionError(
+            f"{exercise} on {case}: element {index[0] if len(index) == 1 else index} "
+            f"is {g:.6g}, the float64 reference {e:.6g}: off by {abs(g - e):.3g} "
+            f"(tolerance {tol:g} relative); {int(wrong.sum())} of {wrong.numel()} "
+            "elements are wrong"
+        )
+
+
 def expect_unchanged(exercise, case, name, before, after):
     if not torch.equal(before, after):
         raise AssertionError(
             f"{exercise} on {case}: the function changed its input "
             f"{name}; it must leave it as it was"
         )
+
+
+def check_elementwise(exercise, fn, reference, strides=(1,)):
+    """Check fn(*inputs) against reference(*inputs in float64), element by element
+    (expect_elementwise), on fresh random 1-D inputs, one per entry of strides (a
+    view of that stride, at an offset), at irregular lengths in every dtype of
+    TOLERANCE; fn must leave its inputs as they were. Prints a line if it passes."""
+    generator, count = fresh_generator(), 0
+    for dtype, n in itertools.product(TOLERANCE, (1, 17, 1000, 4099)):
+        case, inputs = f"n = {n}, {str(dtype)[6:]}", []
+        for step in strides:
+            base = torch.randn(3 + n * step, generator=generator).to(DEVICE, dtype)
+            inputs.append(base[3::step])
+        before = [t.clone() for t in inputs]
+        got = fn(*inputs)
+        for name, old, new in zip("xyzuvw", before, inputs):  # fn(x, y, ...)
+            expect_unchanged(exercise, case, name, old, new)
+        expected = reference(*(t.double() for t in inputs))
+        expect_elementwise(exercise, case, got, expected, dtype)
+        count += 1
+    print(
+        f"{exercise} passed on {count} fresh inputs (lengths 1 to 4099, strides "
+        f"{', '.join(map(str, strides))}; fp32, fp16, bf16)."
+    )
+
+
+def copy_fraction(fn, x):
+    """fn(x)'s speed by GPU time as a fraction of copying x, for an fn that reads x
+    once and writes as many bytes; None without a GPU."""
+    if not ON_GPU:
+        return None
+    calls = {"fn": call_timer(fn, x), "copy": call_timer(torch.empty_like(x).copy_, x)}
+    ms = {name: min(m.gpu) for name, m in time_calls(calls).items()}
+    return ms["copy"] / ms["fn"]
 
 
 # -- Row-wise kernels (the softmax lessons): benchmark, plot, inputs -----------
@@ -1313,3 +1386,272 @@ def spread_summary(results):
         f"after {MAX_PASSES} passes and show as ranges. Differences smaller than the "
         "spread are noise; larger ones can be too, as the clocks drift between passes."
     )
+
+
+# -- Diagrams ------------------------------------------------------------------
+# Pictures of the lessons' ideas, drawn with matplotlib on any machine. Diagrams use
+# their own neutral palette, apart from the providers' colours of STYLE.
+
+
+def _attention_grid(ax, n_blocks, focus):
+    """Query blocks against key blocks, causal: computed, on the diagonal, skipped;
+    the row of query block focus outlined."""
+    from matplotlib.patches import Rectangle
+
+    shades = {"below": "#8fa3bf", "diagonal": "#d9c9a3", "skipped": "#f0f0f0"}
+    for i in range(n_blocks):
+        for j in range(n_blocks):
+            kind = "below" if j < i else "diagonal" if j == i else "skipped"
+            ax.add_patch(Rectangle((j, i), 1, 1, facecolor=shades[kind],
+                                   edgecolor="white", linewidth=1.5,
+                                   hatch="//" if kind == "diagonal" else None))
+    ax.plot([0, n_blocks], [0, n_blocks], color="#444444", linewidth=1)
+    ax.add_patch(Rectangle((0, focus), focus + 1, 1, fill=False,
+                           edgecolor="#222222", linewidth=2.5))
+    ax.annotate("", xy=(focus + 0.9, focus + 0.5), xytext=(0.1, focus + 0.5),
+                arrowprops=dict(arrowstyle="->", color="#222222", linewidth=1.5))
+    ax.set(xlim=(0, n_blocks), ylim=(n_blocks, 0), aspect="equal",
+           xlabel="key block j", ylabel="query block i (one program each)",
+           title="Causal attention, in blocks")
+    ticks = [x + 0.5 for x in range(n_blocks)]
+    ax.set_xticks(ticks, [str(x) for x in range(n_blocks)])
+    ax.set_yticks(ticks, [str(x) for x in range(n_blocks)])
+    labels = ["computed", "on the diagonal: masked", "skipped (all keys after)"]
+    handles = [Rectangle((0, 0), 1, 1, facecolor=shades[k], hatch=h)
+               for k, h in (("below", None), ("diagonal", "//"), ("skipped", None))]
+    return handles, labels
+
+
+def _attention_flow(ax, focus):
+    """One query block's walk over key blocks 0..focus: S, then P, then the running
+    state (m, l, O), rescaled at every step."""
+    def box(x, y, text, color):
+        ax.text(x, y, text, ha="center", va="center", fontsize=9,
+                bbox=dict(boxstyle="round,pad=0.3", facecolor=color,
+                          edgecolor="#666666"))
+
+    def arrow(start, end, label=None):
+        ax.annotate("", xy=end, xytext=start,
+                    arrowprops=dict(arrowstyle="->", color="#444444"))
+        if label:
+            ax.text((start[0] + end[0]) / 2, start[1] - 0.28, label, ha="center",
+                    va="top", fontsize=8, color="#444444")
+
+    for j in range(focus + 1):
+        masked = "\nmasked" if j == focus else ""
+        box(j, 2, f"$S = Q_{{{focus}}} K_{{{j}}}^T$", "#e8edf4")
+        box(j, 1, f"$P = e^{{S - m'}}${masked}", "#f4efe3")
+        box(j, 0, f"$m_{{{j}}}, \\ell_{{{j}}}, O_{{{j}}}$", "#e6e6e6")
+        arrow((j, 1.8), (j, 1.2))
+        arrow((j, 0.8), (j, 0.2))
+        ax.text(j + 0.06, 0.5, f"$+P V_{{{j}}}$", va="center", fontsize=8)
+        if j:
+            arrow((j - 0.62, 0), (j - 0.38, 0), "rescale")
+    box(focus + 1, 0, f"$O_{{{focus}}}$ stored", "#ffffff")
+    arrow((focus + 0.38, 0), (focus + 0.62, 0))
+    ax.text((focus + 1) / 2, -0.85,
+            "each step: $m' = \\max(m, \\max_j S)$, $\\ell' = \\ell\\,e^{m-m'}"
+            " + \\sum_j P$,\n$O$ rescaled by $e^{m-m'}$ (and by $\\ell/\\ell'$ if kept "
+            "normalized) before $PV_j$ is added", ha="center", va="top", fontsize=9)
+    ax.set(xlim=(-0.6, focus + 1.6), ylim=(-1.7, 2.5),
+           title=f"Query block {focus} walks the key blocks: S → P → O")
+    ax.axis("off")
+
+
+def draw_attention_blocks(n_blocks=6, focus=3):
+    """Attention's query blocks against key blocks with the causal diagonal (left),
+    and the S -> P -> O flow of query block focus through its key blocks, the online
+    softmax's running state rescaled at every step (right). Returns the figure."""
+    import matplotlib.pyplot as plt
+
+    if not 0 <= focus < n_blocks:
+        raise ValueError(f"focus must name a query block: 0 to {n_blocks - 1}")
+    plot_style()
+    fig, (grid, flow) = plt.subplots(
+        1, 2, figsize=(8.8, 4.4), gridspec_kw={"width_ratios": [1, 1.7]}
+    )
+    handles, labels = _attention_grid(grid, n_blocks, focus)
+    _attention_flow(flow, focus)
+    fig.legend(handles, labels, loc="lower center", ncol=3, frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    return fig
+
+
+# Lessons 03 and 04: tiles of a matmul, program order, a row shared by programs.
+
+DIAGRAM = dict(band="#e4e4e4", done="#a9bfd2", now="#35658f", line="#808080")
+
+
+def _tile_panel(ax, rows, cols, title, band, done, now):
+    """One matrix as rows x cols tiles; band, done and now are lists of
+    (row, col) tiles shaded light, medium and dark."""
+    from matplotlib.patches import Rectangle
+
+    for shade, cells in (("band", band), ("done", done), ("now", now)):
+        for r, c in cells:
+            ax.add_patch(Rectangle((c, r), 1, 1, color=DIAGRAM[shade], lw=0))
+    for x in range(cols + 1):
+        ax.plot([x, x], [0, rows], color=DIAGRAM["line"], lw=0.6)
+    for y in range(rows + 1):
+        ax.plot([0, cols], [y, y], color=DIAGRAM["line"], lw=0.6)
+    ax.set(xlim=(-0.2, cols + 0.2), ylim=(rows + 0.2, -0.2), title=title)
+    ax.set_aspect("equal")
+    ax.axis("off")
+
+
+def draw_matmul_tiles(tiles_m=4, tiles_n=6, tiles_k=5, tile=(1, 3), step=2):
+    """One program's tile of C = AB and the slabs of A and B its K loop walks:
+    light, the row of A and column of B it reads; medium, the BLOCK_K steps
+    already summed; dark, the step in progress and the tile itself."""
+    import matplotlib.pyplot as plt
+
+    plot_style()
+    i, j = tile
+    widths = [tiles_k, tiles_n, tiles_n]
+    fig, axes = plt.subplots(1, 3, figsize=(8.5, 3.0), width_ratios=widths)
+    a_row = [(i, k) for k in range(tiles_k)]
+    b_col = [(k, j) for k in range(tiles_k)]
+    _tile_panel(
+        axes[0], tiles_m, tiles_k, "A: row slab, BLOCK_K at a time",
+        a_row, a_row[:step], [a_row[step]],
+    )  # fmt: skip
+    _tile_panel(
+        axes[1], tiles_k, tiles_n, "B: column slab",
+        b_col, b_col[:step], [b_col[step]],
+    )  # fmt: skip
+    _tile_panel(axes[2], tiles_m, tiles_n, "C: one program's tile", [], [], [tile])
+    axes[0].annotate(
+        "", xy=(tiles_k, i - 0.3), xytext=(0, i - 0.3),
+        arrowprops=dict(arrowstyle="->", color="black"),
+    )  # fmt: skip
+    axes[1].annotate(
+        "", xy=(j - 0.3, tiles_k), xytext=(j - 0.3, 0),
+        arrowprops=dict(arrowstyle="->", color="black"),
+    )  # fmt: skip
+    fig.text(
+        0.5, 0.02,
+        f"tile ({i}, {j}) of C sums tl.dot(A slice, B slice) over the K loop: "
+        f"step {step + 1} of {tiles_k} in progress (dark), {step} done (medium)",
+        ha="center",
+    )  # fmt: skip
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    return fig
+
+
+def draw_program_orders(orders, in_flight):
+    """Heat maps side by side of {title: order}, order[i, j] the id of the
+    program computing tile (i, j) of C; the first in_flight programs, those
+    running together, are outlined, with the slabs of A and B they read."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.patches import Rectangle
+
+    plot_style()
+    fig, axes = plt.subplots(1, len(orders), figsize=(8.5, 4.2), squeeze=False)
+    for ax, (title, order) in zip(axes[0], orders.items()):
+        order = np.asarray(order)
+        image = ax.imshow(order, cmap="Greys_r", vmin=0, vmax=order.size - 1)
+        if order.size <= 144:
+            for (r, c), p in np.ndenumerate(order):
+                shade = "black" if p > order.size / 2 else "white"
+                ax.text(c, r, str(p), ha="center", va="center", color=shade)
+        running = order < in_flight
+        for r, c in zip(*np.nonzero(running)):
+            ax.add_patch(
+                Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, ec="#35658f", lw=2)
+            )
+        slabs = int(running.any(axis=1).sum()), int(running.any(axis=0).sum())
+        ax.set_title(
+            f"{title}\nfirst {in_flight} (outlined): "
+            f"{slabs[0]} slabs of A, {slabs[1]} of B"
+        )
+        ax.set(xlabel="tile column (slab of B)", ylabel="tile row (slab of A)")
+    fig.colorbar(image, ax=list(axes[0]), label="program id", shrink=0.8)
+    return fig
+
+
+def draw_split_row(splits=4):
+    """Schematic of split-row softmax: SPLITS programs share a row, each
+    reduces its chunk to (m, d), publishes it and bumps the row's arrival
+    counter, waits until the counter reads SPLITS, then combines every pair
+    and normalizes its own chunk."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyBboxPatch
+
+    plot_style()
+    fig, ax = plt.subplots(figsize=(8.5, 4.0))
+    box = dict(boxstyle="round,pad=0.3", fc=DIAGRAM["band"], ec=DIAGRAM["line"])
+    arrow = dict(arrowstyle="->", color="black", lw=1)
+    width = 10 / splits
+    for s in range(splits):
+        x = s * width
+        ax.add_patch(
+            FancyBboxPatch((x + 0.05, 3.6), width - 0.1, 0.6, boxstyle="square,pad=0",
+                           fc=DIAGRAM["done"], ec=DIAGRAM["line"])
+        )  # fmt: skip
+        mid = x + width / 2
+        ax.text(mid, 3.9, f"program {s}\nchunk {s}", ha="center", va="center")
+        ax.text(mid, 2.6, f"$(m_{s}, d_{s})$", ha="center", va="center", bbox=box)
+        ax.annotate("", xy=(mid, 2.85), xytext=(mid, 3.55), arrowprops=arrow)
+        ax.annotate("", xy=(5, 1.45), xytext=(mid, 2.35), arrowprops=arrow)
+    ax.text(5, 4.55, "one row of N elements, shared by SPLITS programs", ha="center")
+    ax.text(
+        5, 1.1, f"arrival counter of the row: +1 per program (release), "
+        f"each waits until it reads {splits} (acquire)",
+        ha="center", va="center", bbox=dict(box, fc=DIAGRAM["now"]), color="white",
+    )  # fmt: skip
+    ax.text(
+        5, 0.2, "then each program combines all (m, d) pairs into the row's m and d,\n"
+        "and normalizes and stores its own chunk",
+        ha="center", va="center",
+    )  # fmt: skip
+    ax.annotate("", xy=(5, 0.45), xytext=(5, 0.8), arrowprops=arrow)
+    labels = ["1. reduce own chunk,\npublish (m, d)", "2. arrive, wait", "3. normalize"]
+    for y, label in zip((3.1, 1.8, 0.55), labels):
+        ax.text(10.3, y, label, va="center", fontsize=9)
+    ax.set(xlim=(-0.4, 12), ylim=(-0.2, 4.9))
+    ax.axis("off")
+    fig.tight_layout()
+    return fig
+
+
+def draw_programs_and_blocks(n, block):
+    """The grid of a one-dimensional launch: n elements in blocks of block, one
+    program per block, cdiv(n, block) programs; the offsets of the last block past
+    n masked (no load, no store). Returns the figure."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    programs = triton.cdiv(n, block) if n > 0 and block > 0 else 0
+    slots = programs * block
+    if not 0 < slots <= 64:
+        raise ValueError(
+            f"a picture of a small launch: n and block positive, at most 64 offsets "
+            f"in all, got n = {n}, block = {block}"
+        )
+    plot_style()
+    fig, ax = plt.subplots(figsize=(8, 2.4))
+    shades = ("#c9d3e0", "#e3dccb")
+    for i in range(slots):
+        masked = i >= n
+        ax.add_patch(Rectangle(
+            (i, 0), 1, 1, edgecolor="white", linewidth=1.5, hatch="//" if masked
+            else None, facecolor="#eeeeee" if masked else shades[i // block % 2]))
+        ax.text(i + 0.5, 0.5, str(i), ha="center", va="center", fontsize=8,
+                color="#888888" if masked else "#222222")
+    for p in range(programs):
+        left, right = p * block + 0.1, (p + 1) * block - 0.1
+        ax.plot([left, left, right, right], [1.15, 1.3, 1.3, 1.15], color="#444444")
+        ax.text((left + right) / 2, 1.45, f"program {p}", ha="center", va="bottom",
+                fontsize=9)
+    ax.annotate("masked: offsets >= n,\nno load, no store", xy=(n + (slots - n) / 2,
+                0), xytext=(n + (slots - n) / 2, -0.55), ha="center", va="top",
+                fontsize=9, arrowprops=dict(arrowstyle="->", color="#444444"))
+    ax.text(0, -0.3, f"offsets = pid * {block} + arange(0, {block})",
+            va="top", fontsize=9, family="monospace")
+    ax.set(xlim=(-0.2, slots + 0.2), ylim=(-1.4, 2.1), aspect="equal",
+           title=f"n = {n} elements, BLOCK = {block}: grid = cdiv({n}, {block})"
+           f" = {programs} programs")
+    ax.axis("off")
+    fig.tight_layout()
+    return fig
