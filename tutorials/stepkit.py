@@ -416,21 +416,29 @@ def time_calls(calls):
     return {key: m for (_, key), m in found.items()}
 
 
-def size_benchmark(sizes, timers, work):
-    """Rates of every provider at each size N of sizes: timers(N) gives {provider:
-    Timer}, timed as time_calls does (a size's inputs live while it is timed), and
-    work(N) is one call's work per millisecond of the rate's unit. Returns (results,
-    by GPU time, back to back): the rows as a DataFrame, case column "N", and the
-    rate_tables of them, index N, a column per provider."""
+def case_benchmark(cases, timers, work):
+    """Rates of every provider in each case of cases (dicts of case columns, all
+    with the same keys): timers(case) gives {provider: Timer}, timed as
+    time_calls does (a case's inputs live only while it is timed), and work(case)
+    is one call's work per millisecond of the rate's unit. Returns (results, by
+    GPU time, back to back): the rows as a DataFrame and their rate_tables, a
+    column per provider, indexed by the case columns."""
     import pandas as pd
 
     rows = [
-        dict(N=n, provider=name, **m.row(work(n)))
-        for n in sizes
-        for name, m in time_calls(timers(n)).items()
+        dict(case, provider=name, **m.row(work(case)))
+        for case in cases
+        for name, m in time_calls(timers(case)).items()
     ]
     results = pd.DataFrame(rows)
-    return (results, *rate_tables(results, ["N"]))
+    return (results, *rate_tables(results, list(cases[0])))
+
+
+def size_benchmark(sizes, timers, work):
+    """case_benchmark over the sizes N of sizes: timers(N) and work(N)."""
+    return case_benchmark(
+        [{"N": n} for n in sizes], lambda c: timers(c["N"]), lambda c: work(c["N"])
+    )
 
 
 def shown_rate(value, slowest=None):
@@ -745,22 +753,17 @@ def bandwidth_benchmark(M, sizes, dtypes, providers):
     Returns (results, gpu, b2b): the rows as a DataFrame, and two tables of
     rates, index (dtype, N) and a column per provider, by GPU time and back to
     back (under the interpreter, both back to back)."""
-    import pandas as pd
+    dtype_of = {str(dtype)[6:]: dtype for dtype in dtypes}
 
-    rows = []
-    for dtype, N in itertools.product(dtypes, sizes):
-        x = torch.randn(M, N, device=DEVICE, dtype=dtype)
-        timers = {name: call_timer(fn, x) for name, fn in providers(x).items()}
-        work = 2 * x.numel() * x.element_size() * 1e-6  # GB per ms: GB/s
-        for name, m in time_calls(timers).items():
-            rows.append(dict(dtype=str(dtype)[6:], N=N, provider=name, **m.row(work)))
-        del x, timers
-    results = pd.DataFrame(rows)
-    tables = (
-        results.pivot_table(v, index=["dtype", "N"], columns="provider", sort=False)
-        for v in ("gpu_value" if ON_GPU else "value", "value")
-    )
-    return (results, *tables)
+    def timers(case):
+        x = torch.randn(M, case["N"], device=DEVICE, dtype=dtype_of[case["dtype"]])
+        return {name: call_timer(fn, x) for name, fn in providers(x).items()}
+
+    def work(case):  # GB per ms: GB/s
+        return 2 * M * case["N"] * dtype_of[case["dtype"]].itemsize * 1e-6
+
+    cases = [{"dtype": name, "N": N} for name in dtype_of for N in sizes]
+    return case_benchmark(cases, timers, work)
 
 
 def plot_bandwidth(table, ceiling, title, ours=()):
