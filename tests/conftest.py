@@ -1,6 +1,8 @@
 """Shared fixtures: the tutorials are imported as modules (not run as __main__), so tests exercise the
 very kernels the pages teach."""
 
+import re
+import shutil
 import subprocess
 import sys
 
@@ -52,3 +54,12 @@ def build_once(testrun_uid, out, env=None):
 def site(testrun_uid):
     """The whole site, built once per test run into build/html, with no warnings."""
     return build_once(testrun_uid, ROOT / "build")
+
+
+def copy_docs_for_other_lessons(dest):
+    """docs/ without what the build generated, for a copy of the site with lessons of its own: the home
+    page's links to the real lessons become plain text there (they would be unknown documents)."""
+    shutil.copytree(ROOT / "docs", dest, ignore=shutil.ignore_patterns("tutorials", "sg_execution_times.rst",
+                                                                        "__pycache__"))
+    index = dest / "index.md"
+    index.write_text(re.sub(r"\{doc\}`([^`<]*?) <tutorials/[^>]+>`", r"\1", index.read_text()))

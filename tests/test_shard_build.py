@@ -14,7 +14,7 @@ from html.parser import HTMLParser
 
 import pytest
 import shard_build
-from conftest import ROOT, TUTORIALS, sphinx
+from conftest import ROOT, TUTORIALS, copy_docs_for_other_lessons, sphinx
 
 SEEDED = json.loads((ROOT / "tools" / "lesson-times.json").read_text())["seconds"]
 GPU_LINE = "GPU: NVIDIA Fake (torch 0, Triton 0)"
@@ -153,8 +153,7 @@ def tiny_site(root, lessons):
     waits 0.2 s, prints its line and appends to $RAN_TXT where it ran (its results folder: a worker's or
     the build's own), on which GPU and on which cores. The lessons are the same files in every copy, as they are on
     every machine that builds one commit."""
-    shutil.copytree(ROOT / "docs", root / "docs",
-                    ignore=shutil.ignore_patterns("tutorials", "sg_execution_times.rst", "__pycache__"))
+    copy_docs_for_other_lessons(root / "docs")
     (root / "tools").mkdir(parents=True)
     shutil.copy(ROOT / "tools" / "shard_build.py", root / "tools")
     (root / "tools" / "lesson-times.json").write_text(json.dumps(

@@ -21,7 +21,7 @@ import lesson_files
 import perf_summary
 import pytest
 import yaml
-from conftest import ROOT, TUTORIALS, sphinx
+from conftest import ROOT, TUTORIALS, copy_docs_for_other_lessons, sphinx
 from lessons import stems
 
 LESSONS = stems()
@@ -294,8 +294,7 @@ def test_a_lesson_reruns_when_a_file_it_needs_changes(tmp_path):
 def test_the_build_reruns_a_lesson_when_a_file_it_needs_changes(tmp_path):
     """The rule in a real build, on a copy of the site with three small lessons (02-b loads 01-a): each run
     leaves a line in ran.txt. Sphinx-Gallery alone would rerun only a lesson whose own file changed."""
-    generated = shutil.ignore_patterns("tutorials", "sg_execution_times.rst")
-    shutil.copytree(ROOT / "docs", tmp_path / "docs", ignore=generated)
+    copy_docs_for_other_lessons(tmp_path / "docs")
     lessons = fake_lessons(tmp_path / "tutorials", {"01-a": [], "02-b": ["01-a"], "03-c": []})
     shutil.copy(TUTORIALS / "GALLERY_HEADER.rst", lessons)
     for lesson in lessons.glob("0*.py"):
@@ -924,6 +923,8 @@ def test_the_install_line_names_the_versions_that_built_the_pages(tmp_path):
     pins = dict(re.findall(r"^(torch|triton)==(\S+)", (ROOT / "requirements.txt").read_text(), re.M))
     assert command == f"pip install torch=={pins['torch']} triton=={pins['triton']} matplotlib pandas"
     assert "requirements.txt" in said
+    assert install_line.install_text(tmp_path, tmp_path / "requirements.txt")[0] == (
+        "pip install torch triton matplotlib pandas")  # a build worker's copy has no requirements.txt
 
 
 def test_getting_started_shows_the_install_line_and_where_mac_and_windows_readers_go(site):

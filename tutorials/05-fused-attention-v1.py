@@ -1,6 +1,6 @@
 """
-Fused attention v1: Triton's 2022 FlashAttention
-================================================
+Fused attention v1: FlashAttention as Triton's 2022 tutorial wrote it
+=====================================================================
 
 Attention, :math:`O = \\mathrm{softmax}(\\tau\\,QK^T)\\,V` with a scale :math:`\\tau`,
 computed without ever writing the :math:`N \\times N` matrix of scores to memory. Rabe

@@ -38,9 +38,13 @@ def built_versions(results_dir):
 
 
 def pinned_versions(requirements):
-    """(torch, triton) pinned in requirements.txt."""
-    pins = dict(re.findall(r"^(torch|triton)==([\w.]+)", Path(requirements).read_text(), re.M))
-    return pins["torch"], pins["triton"]
+    """(torch, triton) pinned in requirements.txt; None where the file or a pin is missing (a copy of
+    docs/ and tutorials/ alone, as a build worker has)."""
+    try:
+        pins = dict(re.findall(r"^(torch|triton)==([\w.]+)", Path(requirements).read_text(), re.M))
+    except FileNotFoundError:
+        return None
+    return (pins["torch"], pins["triton"]) if {"torch", "triton"} <= set(pins) else None
 
 
 def install_text(results_dir, requirements):
@@ -49,9 +53,11 @@ def install_text(results_dir, requirements):
     if built:
         torch, triton, platform = built
         said = f"the versions that produced this site's pages ({platform})"
-    else:
-        torch, triton = pinned_versions(requirements)
+    elif pinned := pinned_versions(requirements):
+        torch, triton = pinned
         said = "the versions pinned in the repository's requirements.txt (this build ran no lesson)"
+    else:
+        return f"pip install torch triton {EXTRAS}", "no versions: this build ran no lesson and has no requirements.txt"
     return f"pip install torch=={torch} triton=={triton} {EXTRAS}", said
 
 
