@@ -1564,9 +1564,10 @@ def draw_program_orders(orders, in_flight):
                 Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, ec="#35658f", lw=2)
             )
         slabs = int(running.any(axis=1).sum()), int(running.any(axis=0).sum())
-        ax.set_title(
-            f"{title}\nfirst {in_flight} (outlined): "
-            f"{slabs[0]} slabs of A, {slabs[1]} of B"
+        ax.set_title(  # three short lines: two panels' titles must not meet
+            f"{title}\nfirst {in_flight} outlined:\n"
+            f"{slabs[0]} slabs of A, {slabs[1]} of B",
+            fontsize=10,
         )
         ax.set(xlabel="tile column (slab of B)", ylabel="tile row (slab of A)")
     fig.colorbar(image, ax=list(axes[0]), label="program id", shrink=0.8)
