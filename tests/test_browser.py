@@ -211,7 +211,8 @@ SUMMARY_FITS = """() => { const t = document.querySelector('table.perf-summary-c
   const box = t && t.closest('.pst-scrollable-table-container') || t;
   return !!t && t.scrollWidth <= t.clientWidth + 1 && box.scrollWidth <= box.clientWidth + 1; }"""
 # Each plot as [src, loaded, natural width, shown width].
-PLOTS = """() => [...document.querySelectorAll('img.sphx-glr-single-img, img.sphx-glr-multi-img')]
+PLOTS = """() => [...document.querySelectorAll(
+    'img.sphx-glr-single-img, img.sphx-glr-multi-img, figure.perf-ratios img')]
   .map(img => [img.getAttribute('src'), img.complete, img.naturalWidth, img.getBoundingClientRect().width])"""
 # The hint under each plot link: what a reader sees below a plot, "none" where nothing is shown.
 PLOT_HINTS = """() => [...document.querySelectorAll('a.plot-full-size')]

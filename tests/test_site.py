@@ -820,6 +820,85 @@ def test_perf_ceiling_ranges_need_two_measurements_of_one_quantity():
         "(each benchmark's fractions use its own run's figure)."]
 
 
+def figure_series(fig):
+    """What the ratio figure draws: its row labels, its legend, and per series colour the bars' ends."""
+    (ax,) = fig.axes
+    labels = [label.get_text() for label in ax.get_yticklabels()]
+    legend = [text.get_text() for text in fig.legends[0].get_texts()]
+    bars = {}
+    for line in ax.get_lines():
+        if line.get_linestyle() == "-":
+            bars.setdefault(line.get_color(), []).append(tuple(line.get_xdata()))
+    return labels, legend, bars
+
+
+ONE = "1.0: as fast as the strongest peer"
+GPU_TIME, BACK_TO_BACK = (colour for _, colour, _ in perf_summary.RATIO_SERIES)
+
+
+def test_the_ratio_figure_draws_both_timings_of_a_gpu_in_path_order(tmp_path):
+    """A bar per lesson, benchmark and kernel from its worst to its best ratio over the cases, the ratios
+    summarize computes: by GPU time and back to back on a GPU, lessons in path order."""
+    later = {**GOOD_RECORD, "tutorial": "03-later", "benchmarks": [GPU_BENCH]}
+    first = {**GOOD_RECORD, "benchmarks": [{**GPU_BENCH, "name": "h", "ours": ["mine", "a"], "peers": ["b"]}]}
+    for record in (later, first):
+        perf_summary.validate_record(record)
+    fig, rows = perf_summary.ratio_figure([later, first])
+    assert [row[:3] for row in rows] == [("01-x", "h", "mine"), ("01-x", "h", "a"), ("03-later", "g", "mine")]
+    # GPU_BENCH by GPU time: 0.75, 1.5, 1.2, 1.5 over the cases; back to back 1.25, 1.45, 1.2, 1.5.
+    assert rows[2].gpu == (0.75, 1.5) and rows[2].back_to_back == pytest.approx((1.2, 1.5))
+    labels, legend, bars = figure_series(fig)
+    assert labels == ["mine", "a", "mine"]
+    assert legend == ["GPU time", "back to back", ONE]
+    assert bars[GPU_TIME] == [row.gpu for row in rows] and bars[BACK_TO_BACK] == [row.back_to_back for row in rows]
+    assert [tuple(line.get_xdata()) for line in fig.axes[0].get_lines() if line.get_linestyle() == "--"] == [(1, 1)]
+    assert "GPU time (dark) and back to back (light)" in perf_summary.ratio_caption([later, first])
+    assert "illustrative" not in perf_summary.ratio_caption([later, first])
+    assert "3 kernels" in perf_summary.ratio_alt(rows) and "GPU time and back to back" in perf_summary.ratio_alt(rows)
+    # The PNG: as wide as the page shows it (850 px, in an 896 px column), taller with more rows.
+    png, shorter = tmp_path / "ratios.png", tmp_path / "one.png"
+    assert perf_summary.draw_ratios([later, first], png) == rows
+    assert perf_summary.draw_ratios([later], shorter) == rows[2:]
+    from matplotlib.image import imread
+
+    (height, width, _), (one_row, _, _) = imread(png).shape, imread(shorter).shape
+    assert width == perf_summary.RATIO_FIGURE_WIDTH_IN * perf_summary.RATIO_FIGURE_DPI == 850
+    assert height > one_row
+
+
+def test_the_ratio_figure_draws_back_to_back_only_from_the_interpreter():
+    cpu = {**CPU, "benchmarks": [PER_CASE_BENCH]}
+    gpu = {**GOOD_RECORD, "tutorial": "02-gpu", "benchmarks": [GPU_BENCH]}
+    fig, rows = perf_summary.ratio_figure([cpu])
+    # PER_CASE_BENCH: "mine" 0.9 and 1.25 beside a peer, "other" 1.2 and 0.5.
+    assert [(row.kernel, row.gpu) for row in rows] == [("mine", None), ("other", None)]
+    assert [row.back_to_back for row in rows] == [pytest.approx((0.9, 1.25)), pytest.approx((0.5, 1.2))]
+    labels, legend, bars = figure_series(fig)
+    assert labels == ["mine", "other"] and legend == ["back to back", ONE] and set(bars) == {BACK_TO_BACK}
+    assert "interpreter's ratios are illustrative" in perf_summary.ratio_caption([cpu])
+    assert "GPU time" not in perf_summary.ratio_caption([cpu]) and "GPU time" not in perf_summary.ratio_alt(rows)
+    # Beside a GPU's record, the interpreter's still gives back to back only, and the caption says why.
+    fig, rows = perf_summary.ratio_figure([gpu, cpu])
+    assert [(row.tutorial, row.gpu is not None) for row in rows] == [("01-x", False), ("01-x", False),
+                                                                     ("02-gpu", True)]
+    assert len(figure_series(fig)[2][GPU_TIME]) == 1
+    assert "illustrative" in perf_summary.ratio_caption([gpu, cpu])
+
+
+def test_no_ratio_figure_where_no_kernel_was_measured_beside_a_peer(tmp_path):
+    alone = {**CPU, "benchmarks": [{**PER_CASE_BENCH, "peers": []}]}
+    unmeasured = copy.deepcopy({**GOOD_RECORD, "benchmarks": [GPU_BENCH]})
+    for row in unmeasured["benchmarks"][0]["rows"]:
+        if row["provider"] != "mine":
+            row.update(value=None, gpu_value=float("nan"))
+    for record in (alone, unmeasured):
+        perf_summary.validate_record(record)
+    assert perf_summary.ratio_rows([alone, unmeasured]) == []
+    assert perf_summary.ratio_figure([alone, unmeasured]) is None
+    assert perf_summary.draw_ratios([alone, unmeasured], tmp_path / "ratios.png") == []
+    assert not (tmp_path / "ratios.png").exists()
+
+
 @pytest.mark.parametrize("lesson", LESSONS)
 def test_notebook_is_valid_and_runs_on_cpu(site, lesson, tmp_path):
     import nbformat

@@ -676,6 +676,18 @@ if __name__ == "__main__":
 # ``NaN`` fails), and either raises ``AssertionError`` saying what is wrong or prints
 # one line saying the function passed. Solutions are not given here.
 #
+# Write each attempt in a new cell at the end of this lesson's notebook (linked at the
+# end of the page), below the checks, and call its check as the exercise shows; or in a
+# file next to the lessons that loads this one first:
+#
+# .. code-block:: python
+#
+#    import stepkit as kit
+#
+#    L02 = kit.load_lesson("02-fused-softmax")
+#    # ... your kernel, and masked_softmax(x, lengths) that launches it ...
+#    L02.check_masked_softmax(masked_softmax)
+#
 # 1. **Masked softmax.** Attention over padded sequences ignores the keys past each
 #    row's length. Write ``masked_softmax(x, lengths)`` as a Triton kernel: ``x`` is
 #    (M, N), ``lengths`` an int32 tensor of M lengths between 1 and N; row ``i`` is the

@@ -89,15 +89,14 @@ FUSED = kit.load_lesson("02-fused-softmax")  # short rows share a program there
 #
 # With no other multiply here, each element costs one subtract, one multiply and one
 # ``MUFU.EX2``, where ``tl.exp(x - m)`` would add the compare and two multiplies (their
-# cost in time is not measured). The order of subtract and multiply
-# matters: scaling :math:`x` by :math:`\log_2 e` on load and subtracting a scaled
-# maximum later is tempting, but for logits near :math:`10^4` the product is rounded to
-# fp32's spacing there (about :math:`10^{-3}`): a :math:`10^{-3}` relative error in
-# every output. Subtracting first is exact for nearby values, and the small difference
-# then scales without loss. (The attention lessons fold the scale into the scores
-# anyway: their scores are small.) Second, each chunk's maximum and sum are kept *per
-# lane* (a vector of ``BLOCK_N`` partial results), reduced across lanes once, after the
-# loop.
+# cost in time is not measured). The order of subtract and multiply matters: scaling
+# :math:`x` by :math:`\log_2 e` on load and subtracting a scaled maximum later is
+# tempting, but for logits near :math:`10^4` the product is rounded to fp32's spacing
+# there (about :math:`10^{-3}`): a :math:`10^{-3}` relative error in every output.
+# Subtracting first is exact for nearby values, and the small difference then scales
+# without loss. (The attention lessons fold the scale into the scores anyway: their
+# scores are small.) Second, each chunk's maximum and sum are kept *per lane* (a vector
+# of ``BLOCK_N`` partial results), reduced across lanes once, after the loop.
 
 
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): e^x = 2^(x * LOG2E)
@@ -218,9 +217,8 @@ def online_softmax_kernel(
 # Between "fits in a few warps" and "cannot fit at all", a row fits in one program only
 # if that program has the most threads a program can have, 32 warps (1,024 threads),
 # each holding a few dozen elements in registers: then the SM runs it alone. The row is
-# then read once and written once, like the fused kernel. Where it starts to spill is
-# for the compiler and GPU to say: see "Where a row stops fitting on chip", after the
-# benchmark.
+# then read once and written once, like the fused kernel. Where it starts to spill, the
+# compiler and GPU say: see "Where a row stops fitting on chip", after the benchmark.
 
 
 @triton.jit
@@ -607,8 +605,7 @@ if __name__ == "__main__":
 # ---------
 # On a GPU, :math:`M = 4096` rows of 16K to 256K elements (under the interpreter, a few
 # small rows), in GB/s (:math:`2MN \times` element size over time), beside
-# ``torch.softmax``, ``torch.compile`` (GPU only) and the copy bandwidth measured in
-# this run.
+# ``torch.softmax``, ``torch.compile`` (GPU only) and this run's copy bandwidth.
 #
 # How we time: by *GPU time* (CUDA graph replays after an L2 flush; the table) and *back
 # to back* (calls in a row, as a loop sees them; the sentences), as the
@@ -769,9 +766,12 @@ elif __name__ == "__main__":
 # %%
 # Exercises
 # ---------
-# Each exercise's check runs your function on fresh random inputs of irregular shapes
-# against a float64 reference with ``torch.testing.assert_close`` (``NaN`` fails), and
-# raises ``AssertionError`` saying what is wrong or prints one line. No solutions here.
+# Write each attempt in a new cell at the end of this lesson's notebook, below the
+# checks, and call its check as the exercise shows; or in a file next to the lessons
+# that runs ``import stepkit as kit``, ``L03 = kit.load_lesson("03-long-softmax")`` and
+# then ``L03.check_merge_partials(merge_partials)``. Each check compares your function
+# with float64 on fresh random inputs of irregular shapes (``NaN`` fails) and raises
+# ``AssertionError`` saying what is wrong, or prints one line. No solutions here.
 #
 # 1. **Two loops, one state per row.** Turn ``three_pass_kernel`` into two loops: the
 #    first keeps one running :math:`(m, d)` per row (not per lane as in

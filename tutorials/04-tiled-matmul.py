@@ -550,6 +550,18 @@ if __name__ == "__main__":
 # everything is right. Under the interpreter, tiles like this lesson's 64 x 64 x 32 keep
 # each check to seconds.
 #
+# Write each attempt in a new cell at the end of this lesson's notebook (linked at the
+# end of the page), below the checks, and call its check as the exercise shows; or in a
+# file next to the lessons that loads this one first:
+#
+# .. code-block:: python
+#
+#    import stepkit as kit
+#
+#    L04 = kit.load_lesson("04-tiled-matmul")
+#    # ... your kernel, and matmul_bias_relu(a, b, bias) that launches it ...
+#    L04.check_bias_relu(matmul_bias_relu)
+#
 # **(a) A fused epilogue.** Write ``matmul_bias_relu(a, b, bias)`` returning
 # :math:`\mathrm{relu}(AB + \mathrm{bias})` in fp16, for ``bias`` of shape ``(N,)``, in
 # one kernel: add the bias and apply the ReLU to the fp32 accumulator before the store,

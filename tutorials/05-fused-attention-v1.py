@@ -591,6 +591,18 @@ elif __name__ == "__main__":
 # %%
 # Exercises
 # ---------
+# Write each attempt in a new cell at the end of this lesson's notebook (linked at the
+# end of the page), below the checks, and call its check as the exercise shows; or in a
+# file next to the lessons that loads this one first:
+#
+# .. code-block:: python
+#
+#    import stepkit as kit
+#
+#    L05 = kit.load_lesson("05-fused-attention-v1")
+#    # ... your running_attention(q, k, v, scale) ...
+#    L05.check_running_attention(running_attention)
+#
 # 1. **Normalized at every step.** ``one_row_attention`` keeps the unnormalized
 #    :math:`a`, as FlashAttention-2 does. Write ``running_attention(q, k, v, scale)``
 #    for one query row that keeps only the normalized output :math:`o`, as

@@ -740,6 +740,18 @@ choices if __name__ == "__main__" and not choices.empty else None
 # answer with a float64 reference on fresh random inputs, and says what is wrong or
 # that you got it right.
 #
+# Write each attempt in a new cell at the end of this lesson's notebook (linked at the
+# end of the page), below the checks, and call its check as the exercise shows; or in a
+# file next to the lessons that loads this one first:
+#
+# .. code-block:: python
+#
+#    import stepkit as kit
+#
+#    L06 = kit.load_lesson("06-fused-attention-v2-forward")
+#    # ... your causal_block_mask(start_m, start_n, block_m, block_n, n) ...
+#    L06.check_causal_block_mask(causal_block_mask)
+#
 # 1. **The mask of one block pair.** Write ``causal_block_mask(start_m, start_n,
 #    block_m, block_n, n)``: a ``(block_m, block_n)`` boolean tensor that is True where
 #    query ``start_m + i`` may see key ``start_n + j`` under causal masking, and both

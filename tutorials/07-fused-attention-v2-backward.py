@@ -9,8 +9,9 @@ sequence length, head dimension and masking mode, in two versions: with a pass o
 own for :math:`dQ`, and with FlashAttention-2's atomic additions (`tl.atomic_add
 <https://triton-lang.org/main/python-api/generated/triton.language.atomic_add.html>`_).
 It connects them to PyTorch's autograd and measures both against PyTorch's cuDNN and
-flash backends. The Hopper part takes both passes to Gluon:
-:doc:`11-hopper-forward-gluon` and :doc:`13-hopper-backward-gluon`.
+flash backends. The Hopper part, from the next lesson (:doc:`10-long-softmax-gluon`) on,
+takes both passes to Gluon: :doc:`11-hopper-forward-gluon` and
+:doc:`13-hopper-backward-gluon`.
 
 You will learn:
 
@@ -650,6 +651,18 @@ choices if __name__ == "__main__" and not choices.empty else None
 # Each exercise comes with a check: call it on your function, and it compares your
 # answer with a float64 reference on fresh random inputs, and says what is wrong or
 # that you got it right.
+#
+# Write each attempt in a new cell at the end of this lesson's notebook (linked at the
+# end of the page), below the checks, and call its check as the exercise shows; or in a
+# file next to the lessons that loads this one first:
+#
+# .. code-block:: python
+#
+#    import stepkit as kit
+#
+#    L07 = kit.load_lesson("07-fused-attention-v2-backward")
+#    # ... your one_row_backward(q, K, V, do, scale) ...
+#    L07.check_one_row_backward(one_row_backward)
 #
 # 1. **One row's backward, by hand.** Using only the gradients recalled above, write
 #    ``one_row_backward(q, K, V, do, scale)`` for a single query row ``q`` of shape

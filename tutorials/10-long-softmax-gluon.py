@@ -10,6 +10,12 @@ statistics arrive, so fewer programs fit on an SM and less of the row is held on
 This lesson keeps the chunk in shared memory instead, as the 16-bit values that were
 read, something Triton does not let a program ask for and Gluon does.
 
+Previous lesson: :doc:`07-fused-attention-v2-backward`, the last of the portable path;
+next: :doc:`11-hopper-forward-gluon`. This one builds on :doc:`03-long-softmax`, its
+split-row kernel and the online softmax of Milakov and Gimelshein (`arXiv:1805.02867
+<https://arxiv.org/abs/1805.02867>`_). Gluon is introduced by Triton's own `Gluon
+tutorials <https://github.com/triton-lang/triton/tree/main/python/tutorials/gluon>`_.
+
 You will learn:
 
 * where a program can keep data while it waits, and what each place holds: registers
@@ -732,6 +738,18 @@ elif __name__ == "__main__":
 # fails), and raises ``AssertionError`` saying what is wrong, or prints one line saying
 # the function passed. Solutions are not given here.
 #
+# Write each attempt in a new cell at the end of this lesson's notebook (linked at the
+# end of the page), below the checks, and call the check as each exercise shows; or in
+# a file next to the lessons that loads this one first:
+#
+# .. code-block:: python
+#
+#    import stepkit as kit
+#
+#    L10 = kit.load_lesson("10-long-softmax-gluon")
+#    # ... your Gluon kernel, and packed_softmax(x) that launches it ...
+#    L10.check_split_row(packed_softmax)
+#
 # 1. **One round trip fewer.** After its statistics, a program waits for three trips to
 #    the L2 cache in a row: the release of its count, the polls of the row's count, and
 #    the read of every chunk's statistics. Drop the count: fill the statistics
@@ -739,16 +757,18 @@ elif __name__ == "__main__":
 #    logits are all :math:`-\infty` publishes that), store each chunk's maximum and sum
 #    together as one 64-bit value (two fp32 bit patterns packed into an ``int64``, so
 #    that no program can see one half without the other) with a releasing atomic
-#    exchange, and poll the row's statistics themselves until no marker is left. Check
-#    it (the check masks the first half of each input's last row), then time it against
+#    exchange, and poll the row's statistics themselves until no marker is left. Wrap it
+#    in ``packed_softmax(x)``, run ``check_split_row(packed_softmax)`` (it masks the
+#    first half of each input's last row), then time it against
 #    ``shared_split_row_softmax`` with the same chunk at each length of the benchmark.
 # 2. **One bulk copy per chunk.** Hopper's TMA copies a whole box with one instruction
 #    from one thread (lesson 11 shows tensor descriptors, ``mbarrier`` and the TMA load
 #    from ``gluon.language.nvidia.hopper``: ``tma.async_load``, called
 #    ``async_copy_global_to_shared`` in Triton 3.6). View a row of :math:`N` elements as
 #    an :math:`(N / 256) \times 256` matrix, load each chunk as one box, and handle the
-#    rows whose length the view does not allow with the kernel above. Check it and
-#    measure whether fewer copy instructions move the speed.
+#    rows whose length the view does not allow with the kernel above. Wrap it in
+#    ``tma_softmax(x)``, run ``check_split_row(tma_softmax)`` and measure whether fewer
+#    copy instructions move the speed.
 
 
 def check_split_row(fn):

@@ -2,11 +2,12 @@
 Hopper: a warp-specialized forward in Gluon
 ===========================================
 
-Lesson 06's portable FlashAttention-2 forward has every warp do everything in turn.
-FlashAttention-3 (Shah et al., 2024) gives a program's warps *roles*: one warp only
-loads, two warp groups only compute, their matrix products overlapping the next block's
-exponentials. Here it is written for Hopper (H100, H200) in Gluon, Triton's lower-level
-language, and measured beside the portable kernel and cuDNN. You will learn:
+The portable FlashAttention-2 forward of :doc:`06-fused-attention-v2-forward` has every
+warp do everything in turn. FlashAttention-3 (Shah et al., 2024,
+`arXiv:2407.08608 <https://arxiv.org/abs/2407.08608>`_) gives a program's warps *roles*:
+one warp only loads, two warp groups only compute, their products overlapping the next
+block's exponentials. Here it is written for Hopper (H100, H200) in Gluon, Triton's
+lower-level language, and measured beside the portable kernel and cuDNN. You will learn:
 
 * why "all warps, one step at a time" idles the tensor cores, and which roles fix it;
 * what Gluon lets a program say that Triton decides for itself: layouts, shared-memory
@@ -17,9 +18,9 @@ language, and measured beside the portable kernel and cuDNN. You will learn:
 * why fp8 needs V stored with the keys contiguous on Hopper, and what fp8 buys;
 * how ``attention`` picks the Gluon or portable forward per case, from a measured table.
 
-Lesson 12 splits this forward's calls into host and GPU time, and measures what one
-program per SM buys. Where Gluon cannot run (a CPU, a GPU other than Hopper) the page
-runs lesson 06's portable forward, and says why Gluon did not run.
+Previous lesson: :doc:`10-long-softmax-gluon`; next: :doc:`12-hopper-forward-profiled`,
+which splits this forward's calls into host and GPU time. Where Gluon cannot run (a CPU,
+a GPU other than Hopper) the page runs lesson 06's portable forward and says why.
 """
 
 import functools
@@ -139,13 +140,14 @@ if __name__ == "__main__":
 # Why Gluon
 # ---------
 # Triton's compiler decides which warps do what, and on Hopper its automatic warp
-# specialization (``tl.range(..., warp_specialize=True)``) does not find this schedule.
-# Gluon lets the program say it: explicit layouts, shared-memory buffers, mbarriers, TMA
-# copies, asynchronous ``warpgroup_mma``, and ``warp_specialize``, which runs one
-# function in the program's own 4 warps (the first consumer) and others in extra warps
-# (the second consumer, the loader). Gluon is experimental: Triton 3.6's TMA copy
-# ``async_copy_global_to_shared`` is renamed ``async_load`` in later releases, and the
-# lesson takes whichever exists. Also:
+# specialization (``warp_specialize=True`` in `tl.range
+# <https://triton-lang.org/main/python-api/generated/triton.language.range.html>`_)
+# does not find this schedule. Gluon lets the program say it: explicit layouts,
+# shared-memory buffers, mbarriers, TMA copies, asynchronous ``warpgroup_mma``, and
+# ``warp_specialize``, which runs one function in the program's own 4 warps (the first
+# consumer) and others in extra warps (the second consumer, the loader). Gluon is
+# experimental: Triton 3.6's TMA copy ``async_copy_global_to_shared`` is ``async_load``
+# in later releases; the lesson takes whichever exists. Also:
 #
 # * TMA copies 4-D boxes (1 batch, 1 head, 64 or 128 rows, :math:`D`) out of (B, H, N,
 #   D) tensors of any strides, zero-filling rows past :math:`N`: any length and
@@ -170,7 +172,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-# Triton 3.6 names it async_copy_global_to_shared.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 # %%
@@ -503,16 +504,14 @@ def _ws_forward(q, k, v, o, lse, causal, sm_scale, programs=None):
 # Neither forward wins everywhere: the Gluon call's three TMA descriptors cost host
 # time, and its one tile shape is not the best everywhere, where the portable kernel
 # runs the tiles measured for the case. So ``attention`` follows ``FORWARD_PATHS``, a
-# table of ``tuned_tables.json`` that ``python tools/tune.py attention`` measured
-# before this build, scoring each forward by the slower of its GPU time and the host's
-# time per call (the pace of calls back to back) and keeping the faster per case. Where
-# the Gluon call's host time reaches its GPU time (lesson 12 measures both), the lighter
-# portable call can win with more GPU time; a line under "Reading the numbers" counts
-# where this run agrees. ``warp_specialized=None`` runs the table's path (Gluon where it
-# can, in cases the table does not cover), ``True`` insists on Gluon (an error says why
-# when it cannot), ``False`` asks for the portable kernel. Both forwards write the same
-# output and :math:`\mathrm{LSE}_2`, so the backward is lesson 07's two-pass one either
-# way (lesson 13 replaces it on Hopper).
+# table of ``tuned_tables.json`` that ``python tools/tune.py attention`` measured before
+# this build, scoring each forward by the slower of its GPU time and the host's time per
+# call (the pace back to back; lesson 12 measures both) and keeping the faster per case;
+# a line under "Reading the numbers" counts where this run agrees.
+# ``warp_specialized=None`` runs the table's path (Gluon where it can, in cases the
+# table does not cover), ``True`` insists on Gluon (an error says why not), ``False``
+# the portable kernel. Both forwards write the same output and :math:`\mathrm{LSE}_2`:
+# lesson 07's backward serves both (lesson 13 replaces it on Hopper).
 
 
 def paths_table(name):
@@ -621,9 +620,8 @@ if __name__ == "__main__":
 # must change is the layout. ``wgmma`` takes an 8-bit tile from shared memory only with
 # the *reduction* axis contiguous (16-bit tiles either way round), and reduces over at
 # least 32 values, so head dims below 32 are refused. :math:`QK^T` reduces over the head
-# dimension, contiguous in Q and K as usually stored; :math:`PV` over the keys, but a
-# (B, H, N, D) tensor stores each key's D values together, so the compiler transposes
-# every V tile.
+# dimension, contiguous in Q and K; :math:`PV` over the keys, but a (B, H, N, D) tensor
+# stores each key's D values together, so the compiler transposes every V tile.
 #
 # The fix: V with the sequence axis contiguous. The kernel takes any strides (Triton
 # reads the contiguous axis from them), so it needs no change; the launcher makes that
@@ -658,10 +656,9 @@ if __name__ == "__main__":
 # The forward in TFLOP/s at lesson 06's sizes against the portable kernel and SDPA's
 # backends, with the fp16 matrix-multiply rate measured now as the ceiling (lesson 06's
 # fp8 forward, also shown, can pass it). **How we time:** each provider's GPU time and
-# its time back to back, as :doc:`../performance` defines them ("How we time"). The
-# plot, the table and the verdicts read GPU time and say where back to back differs
-# (lesson 12 measures what set that pace at the smallest size). Under the interpreter,
-# wall-clock times of NumPy only illustrate.
+# its time back to back (:doc:`../performance`, "How we time"). The plot, the table and
+# the verdicts read GPU time and say where back to back differs (lesson 12 measures what
+# set that pace at the smallest size). Under the interpreter they only illustrate.
 
 WS = "Triton, warp-specialized (Gluon)"
 PORTABLE = "Triton v2 (lessons 06, 07)"
@@ -814,10 +811,13 @@ if __name__ == "__main__":
 # --------
 # **Making a tensor loadable.** Write ``tma_ready(t)``: a tensor equal to the 4-D ``t``
 # that TMA can load (``tma_loadable`` says what that takes), ``t`` itself where it
-# already is, a copy only where not. ``check_tma_ready(tma_ready)`` tries it on
-# contiguous, transposed, sliced, broadcast and misaligned tensors. Watch out:
-# ``t.contiguous()`` returns ``t`` itself whenever it is contiguous, even with data off
-# a 16-byte boundary.
+# already is, a copy only where not. Write it in a new cell at the end of this lesson's
+# notebook and run ``check_tma_ready(tma_ready)`` (no GPU needed), or in a file next to
+# the lessons with ``import stepkit as kit``,
+# ``L11 = kit.load_lesson("11-hopper-forward-gluon")`` and
+# ``L11.check_tma_ready(tma_ready)``. It tries contiguous, transposed, sliced, broadcast
+# and misaligned tensors. Watch out: ``t.contiguous()`` returns ``t`` itself whenever it
+# is contiguous, even with data off a 16-byte boundary.
 
 
 def check_tma_ready(fn):

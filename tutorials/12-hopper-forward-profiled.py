@@ -8,7 +8,8 @@ microseconds of GPU work, the two can differ. This lesson takes the calls of les
 two forwards apart there with a third clock, a timer on the host, which measures how
 long Python, the input checks and the launch take to *enqueue* a call. Then it measures
 one design choice of lesson 11 on its own: the persistent grid, one program per SM,
-against one program per tile.
+against one program per tile. Previous lesson: :doc:`11-hopper-forward-gluon`; next:
+:doc:`13-hopper-backward-gluon`.
 
 You will learn:
 
@@ -418,6 +419,19 @@ if __name__ == "__main__" and kit.ON_GPU and persistence:
 # %%
 # Exercises
 # ---------
+# Both are plain Python and run on a CPU. Write each attempt in a new cell at the end of
+# this lesson's notebook (linked at the end of the page), below the checks, and call its
+# check as the exercise shows; or in a file next to the lessons that loads this one
+# first:
+#
+# .. code-block:: python
+#
+#    import stepkit as kit
+#
+#    L12 = kit.load_lesson("12-hopper-forward-profiled")
+#    # ... your schedule(n_m, heads, programs) ...
+#    L12.check_schedule(schedule)
+#
 # 1. **Balancing causal tiles.** Under causal masking query block :math:`m` of a head
 #    loads :math:`m + 1` key blocks. Write ``schedule(n_m, heads, programs)``
 #    (``heads`` counts batch times heads): one list per program (empty where nothing is

@@ -2,12 +2,14 @@
 Hopper: the FlashAttention-3 backward in Gluon
 ==============================================
 
-The portable backward of lesson 07 executes seven matrix products per pair of blocks
-where five would do, or five with one atomic addition per element of :math:`dQ`.
-FlashAttention-3's backward keeps the five products and makes the additions cheap:
-:math:`dS` shared between two warp groups through shared memory, and :math:`dQ` summed
-by the TMA engine in bulk. This lesson writes it in Gluon, measures it against the
-portable backward and cuDNN, and profiles where the time goes. You will learn:
+The portable backward of :doc:`07-fused-attention-v2-backward` executes seven matrix
+products per pair of blocks where five would do, or five with one atomic addition per
+element of :math:`dQ`. FlashAttention-3's backward (Shah et al., 2024,
+`arXiv:2407.08608 <https://arxiv.org/abs/2407.08608>`_) keeps the five products and
+makes the additions cheap: :math:`dS` shared between two warp groups through shared
+memory, and :math:`dQ` summed by the TMA engine in bulk. This lesson writes it in Gluon,
+measures it against the portable backward and cuDNN, and profiles where the time goes.
+You will learn:
 
 * how one program computes :math:`dK`, :math:`dV` and its share of :math:`dQ` with five
   matrix products, and why it multiplies :math:`S^T` rather than :math:`S`;
@@ -16,9 +18,12 @@ portable backward and cuDNN, and profiles where the time goes. You will learn:
 * how register pressure limits this kernel, and the changes that keep spills down;
 * how to find where a backward's time goes with the CUDA profiler, kernel by kernel.
 
-It runs lesson 11's forward, lesson 07's preprocess and lesson 12's host timer, and
-falls back to lesson 07's backward where Gluon cannot run: there the page still shows
-the design and the portable kernels' numbers, and says why the Gluon kernel did not run.
+It runs lesson 07's preprocess, lesson 12's host timer and the forward of
+:doc:`11-hopper-forward-gluon`, and falls back to lesson 07's backward where Gluon
+cannot run: there the page still shows the design and the portable kernels' numbers, and
+says why the Gluon kernel did not run. Previous lesson:
+:doc:`12-hopper-forward-profiled`; this is the last of the path (all lessons: the
+:doc:`list <index>`).
 """
 
 import functools
@@ -778,6 +783,19 @@ elif __name__ == "__main__":
 #
 # Exercises
 # ---------
+# Both are plain Python and run on a CPU. Write each attempt in a new cell at the end of
+# this lesson's notebook (linked at the end of the page), below the checks, and call its
+# check as the exercise shows; or in a file next to the lessons that loads this one
+# first:
+#
+# .. code-block:: python
+#
+#    import stepkit as kit
+#
+#    L13 = kit.load_lesson("13-hopper-backward-gluon")
+#    # ... your query_block_range(start_n, block_n, block_m, n) ...
+#    L13.check_query_block_range(query_block_range)
+#
 # 1. **Which query blocks need the mask.** A backward program owns keys ``start_n`` to
 #    ``start_n + block_n - 1`` and, with causal masking, walks query blocks of
 #    ``block_m`` rows from the first that can see any of its keys. Write

@@ -465,6 +465,152 @@ def ceiling_ranges(results):
     return sentences
 
 
+class RatioRow(NamedTuple):
+    """A row of the ratio figure: one kernel of one benchmark, with its (worst, best) ratio to the strongest
+    peer over the cases, by GPU time and back to back (a Ratio's own value; None where not measured)."""
+
+    tutorial: str
+    benchmark: str
+    kernel: str
+    gpu: tuple[float, float] | None
+    back_to_back: tuple[float, float] | None
+
+
+def _worst_and_best(best_and_worst):
+    if best_and_worst is None:
+        return None
+    (best, _), (worst, _) = best_and_worst
+    return worst.value, best.value
+
+
+def ratio_rows(results):
+    """The ratio figure's rows, lessons in path order: summarize's best and worst ratios of every kernel of
+    ours that was measured beside a peer; by GPU time only from records made on a GPU."""
+    rows = []
+    for result in sorted(results, key=lambda r: r["tutorial"]):
+        for bench in result["benchmarks"]:
+            for summary in summarize(bench):
+                gpu = _worst_and_best(summary["gpu_ratio"]) if result["on_gpu"] else None
+                back_to_back = _worst_and_best(summary["ratio"])
+                if gpu or back_to_back:
+                    rows.append(RatioRow(result["tutorial"], bench["name"], summary["kernel"], gpu, back_to_back))
+    return rows
+
+
+# The figure's two series, in neutral colours apart from the providers' (stepkit.STYLE), told apart by
+# lightness too: (label, colour, RatioRow field).
+RATIO_SERIES = (("GPU time", "#34495e", "gpu"), ("back to back", "#c4a46b", "back_to_back"))
+RATIO_FIGURE_WIDTH_IN, RATIO_FIGURE_DPI = 8.5, 100  # 850 px, shown at that width in the 896 px text column
+
+
+def _ratio_ticks(low, high):
+    """Tick positions on the log axis from low to high, finer the narrower the span, 1 always among them."""
+    span = math.log10(high / low)
+    if span < 0.3:
+        ladder = [0.7, 0.8, 0.85, 0.9, 0.95, 1, 1.05, 1.1, 1.2, 1.3, 1.5]
+    elif span < 1.6:
+        ladder = [0.1, 0.2, 0.3, 0.5, 0.7, 1, 1.5, 2, 3, 5, 7, 10]
+    else:
+        ladder = [0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100, 300, 1000]
+    return [tick for tick in ladder if low <= tick <= high]
+
+
+def ratio_figure(results):
+    """The performance page's figure: for every kernel of ours (a row per lesson, benchmark and kernel,
+    grouped under a heading per lesson and benchmark, lessons in path order), a bar from its worst to its
+    best ratio to the strongest peer over the cases, by GPU time and back to back (back to back only from
+    the interpreter's records), and a line at 1.0. Returns (matplotlib Figure, ratio_rows), or None where
+    no kernel was measured beside a peer. Drawn without pyplot: no backend or global state is touched."""
+    import matplotlib
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FixedLocator, NullLocator
+
+    rows = ratio_rows(results)
+    if not rows:
+        return None
+    # y positions from the top: a heading row per (lesson, benchmark), then a row per kernel.
+    headings, places, y = [], [], 0.0
+    for row in rows:
+        if not headings or headings[-1][0] != (row.tutorial, row.benchmark):
+            headings.append(((row.tutorial, row.benchmark), y))
+            y += 0.8
+        places.append(y)
+        y += 1.0
+    drawn = [series for series in RATIO_SERIES if any(getattr(row, series[2]) for row in rows)]
+    values = [v for row in rows for series in drawn for v in (getattr(row, series[2]) or ())] + [1.0]
+    low, high = min(values) / 1.25, max(values) * 1.25
+    with matplotlib.rc_context({"font.size": 10, "xtick.labelsize": 10, "ytick.labelsize": 9,
+                                "legend.fontsize": 9.5, "axes.labelsize": 10}):
+        fig = Figure(figsize=(RATIO_FIGURE_WIDTH_IN, 0.3 * y + 1.5), dpi=RATIO_FIGURE_DPI, layout="constrained")
+        ax = fig.add_subplot()
+        ax.axvline(1.0, color="black", linestyle="--", linewidth=1, zorder=1)
+        offsets = [-0.18, 0.18] if len(drawn) == 2 else [0.0]
+        for (label, colour, field), offset in zip(drawn, offsets, strict=True):
+            for row, place in zip(rows, places, strict=True):
+                span = getattr(row, field)
+                if span is None:
+                    continue
+                worst, best = span
+                ax.plot([worst, best], [place + offset] * 2, color=colour, linewidth=4, solid_capstyle="butt",
+                        marker="o", markersize=5, zorder=2)
+        for (tutorial, benchmark), place in headings:
+            ax.text(0.005, place, f"{tutorial}: {benchmark}", transform=ax.get_yaxis_transform(), ha="left",
+                    va="center", fontsize=9, fontweight="bold", zorder=3,
+                    bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
+        ax.set_xscale("log")
+        ax.set_xlim(low, high)
+        ticks = _ratio_ticks(low, high)
+        ax.xaxis.set_major_locator(FixedLocator(ticks))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xticklabels([f"{tick:g}x" for tick in ticks])
+        ax.set_yticks(places, [row.kernel for row in rows])
+        ax.set_ylim(y - 0.4, -0.6)  # the first row on top
+        ax.tick_params(axis="y", length=0)
+        ax.grid(axis="x", color="#e0e0e0", linewidth=0.8, zorder=0)
+        ax.set_axisbelow(True)
+        ax.set_xlabel("ratio to the strongest peer at the same case, worst case to best (right of 1: faster)")
+        handles = [Line2D([], [], color=colour, linewidth=4, marker="o", markersize=5, label=label)
+                   for label, colour, _ in drawn]
+        handles.append(Line2D([], [], color="black", linestyle="--", linewidth=1,
+                              label="1.0: as fast as the strongest peer"))
+        fig.legend(handles=handles, loc="outside upper center", ncols=len(handles), frameon=False)
+    return fig, rows
+
+
+def ratio_caption(results):
+    """The figure's caption: what a bar shows, and where the interpreter drew it, that it only illustrates."""
+    text = ("Each kernel's ratio to the strongest peer measured at the same case: a bar runs from its worst "
+            "case to its best (a dot alone: one case, or the same ratio at each)")
+    if any(r["on_gpu"] for r in results):
+        text += ", by GPU time (dark) and back to back (light)"
+    text += ". Right of the dashed line at 1.0 a kernel is faster than the strongest peer. The table below " \
+            "gives the numbers and names the peer and the case."
+    if not all(r["on_gpu"] for r in results):
+        text += (" The Triton interpreter on a CPU made some or all of these records, and they show back to "
+                 "back only: the interpreter's ratios are illustrative, and say nothing about a GPU.")
+    return text
+
+
+def ratio_alt(rows):
+    """The figure's alt text: what it shows, and how many kernels."""
+    series = " and ".join(label for label, _, field in RATIO_SERIES if any(getattr(row, field) for row in rows))
+    return (f"Horizontal bars for {len(rows)} kernels, one per lesson, benchmark and kernel, each from its "
+            f"worst to its best ratio to the strongest peer at the same case, by {series}, beside a dashed "
+            "line at 1.0, as fast as the strongest peer.")
+
+
+def draw_ratios(results, path):
+    """Draw ratio_figure into the PNG at path; return its rows ([] and no file where it draws nothing)."""
+    drawn = ratio_figure(results)
+    if drawn is None:
+        return []
+    fig, rows = drawn
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=RATIO_FIGURE_DPI)  # no bbox_inches="tight": the width stays what the page shows
+    return rows
+
+
 def case_table(bench):
     """The header and text rows of a benchmark's table of cases: a row per case and kernel of ours, with the
     case columns, the kernel, its ratio to the strongest peer there by GPU time (on a GPU) and back to
@@ -542,6 +688,21 @@ class PerfSummary(Directive):
                             refdoc=env.docname)
         return link
 
+    def _ratio_figure(self, results):
+        """The ratio figure, drawn into the build's doctree folder; Sphinx copies it to _images, as any
+        image of the source, and links it to itself (a width is given), so a phone can open it full size."""
+        env = self.state.document.settings.env
+        png = Path(env.doctreedir) / "perf_summary" / "performance-ratios.png"
+        rows = draw_ratios(results, png)
+        if not rows:
+            return []
+        uri = "/" + Path(os.path.relpath(png, env.srcdir)).as_posix()  # "/" starts at the source folder
+        width = f"{round(RATIO_FIGURE_WIDTH_IN * RATIO_FIGURE_DPI)}px"
+        figure = nodes.figure(ids=["ratios-to-the-strongest-peer"], classes=["perf-ratios"])
+        figure += nodes.image(uri=uri, alt=ratio_alt(rows), width=width)
+        figure += nodes.caption(text=ratio_caption(results))
+        return [figure]
+
     def run(self):
         env = self.state.document.settings.env
         results_dir = Path(os.environ["TUTORIAL_RESULTS_DIR"])
@@ -567,6 +728,7 @@ class PerfSummary(Directive):
             out.append(nodes.paragraph(text="NVIDIA driver: " + gpu_driver()))
         dates = sorted({r["date"] for r in results})
         out.append(nodes.paragraph(text="Date of the measurements: " + ", ".join(dates)))
+        out.extend(self._ratio_figure(results))
         rows = []
         for result in results:
             for bench in result["benchmarks"]:
