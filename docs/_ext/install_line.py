@@ -66,6 +66,7 @@ class InstallLine(Directive):
 
     def run(self):
         env = self.state.document.settings.env
+        env.note_reread()  # the versions are this build's: read the page again on every build
         results = Path(os.environ.get("TUTORIAL_RESULTS_DIR", Path(env.app.confdir).parent / "build" / "results"))
         command, said = install_text(results, Path(env.app.confdir).parent / "requirements.txt")
         paragraph = nodes.paragraph(text=f"The install line below names {said}:")
@@ -73,12 +74,6 @@ class InstallLine(Directive):
         return [paragraph, block]
 
 
-def _always_reread(app, env, added, changed, removed):
-    """Getting started shows the versions of this build: read it again every build."""
-    return ["getting-started"] if "getting-started" in env.all_docs else []
-
-
 def setup(app):
     app.add_directive("install-line", InstallLine)
-    app.connect("env-get-outdated", _always_reread)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

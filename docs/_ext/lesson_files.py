@@ -240,7 +240,10 @@ class DownloadStep(Directive):
     has_content = False
 
     def run(self):
-        app = self.state.document.settings.env.app
+        env = self.state.document.settings.env
+        # What the step shows follows the lessons and the version built: read its page on every build.
+        env.note_reread()
+        app = env.app
         lessons_dir, _ = _gallery_paths(app)
         ref = app.config.download_ref
         if ref is None:
@@ -254,16 +257,8 @@ class DownloadStep(Directive):
         return [block]
 
 
-def _reread_download_steps(app, env, added, changed, removed):
-    # What the step shows follows the lessons and the version built: its pages are read on every build.
-    _, gallery_dir = _gallery_paths(app)
-    return [doc for doc in sorted(env.found_docs) if not Path(env.doc2path(doc)).is_relative_to(gallery_dir)
-            and "download-step" in Path(env.doc2path(doc)).read_text(encoding="utf-8")]
-
-
 def setup(app):
     app.add_config_value("download_ref", None, "html", types=[str, type(None)])
-    app.connect("env-get-outdated", _reread_download_steps)
     # Sphinx-Gallery runs the lessons at builder-inited, priority 500: the rule before, the files after.
     app.connect("builder-inited", _rerun, priority=400)
     app.connect("builder-inited", _refresh, priority=600)
