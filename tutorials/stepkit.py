@@ -213,10 +213,9 @@ def _median(values):
     )
 
 
-def _profiled_ms(fn, flush, calls):
-    """GPU milliseconds per call of fn from the CUDA profiler's kernel times.
-    The L2 flush before each call is a bitwise NOT, a kernel no provider runs,
-    so that its time can be left out by name."""
+def _kernel_times(fn, calls, before_each=None):
+    """{kernel name: GPU milliseconds per call} of calls calls of fn under the
+    CUDA profiler, before_each() (if given) launched before each call."""
     import warnings
 
     with warnings.catch_warnings():
@@ -224,29 +223,8 @@ def _profiled_ms(fn, flush, calls):
         activities = [torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities) as profile:
             for _ in range(calls):
-                flush.bitwise_not_()
-                fn()
-            torch.cuda.synchronize()
-    total = sum(
-        e.self_device_time_total
-        for e in profile.key_averages()
-        if "bitwise_not" not in e.key
-    )
-    return total / calls / 1e3
-
-
-def kernel_ms(fn, calls=20):
-    """{kernel name: GPU milliseconds per call of fn}, from the CUDA profiler,
-    after one call outside it: where a call's time goes, kernel by kernel."""
-    import warnings
-
-    fn()
-    torch.cuda.synchronize()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # the profiler's own set-up
-        activities = [torch.profiler.ProfilerActivity.CUDA]
-        with torch.profiler.profile(activities=activities) as profile:
-            for _ in range(calls):
+                if before_each is not None:
+                    before_each()
                 fn()
             torch.cuda.synchronize()
     return {
@@ -254,6 +232,22 @@ def kernel_ms(fn, calls=20):
         for e in profile.key_averages()
         if e.self_device_time_total > 0
     }
+
+
+def _profiled_ms(fn, flush, calls):
+    """GPU milliseconds per call of fn from the CUDA profiler's kernel times.
+    The L2 flush before each call is a bitwise NOT, a kernel no provider runs,
+    so that its time can be left out by name."""
+    times = _kernel_times(fn, calls, before_each=flush.bitwise_not_)
+    return sum(ms for name, ms in times.items() if "bitwise_not" not in name)
+
+
+def kernel_ms(fn, calls=20):
+    """{kernel name: GPU milliseconds per call of fn}, from the CUDA profiler,
+    after one call outside it: where a call's time goes, kernel by kernel."""
+    fn()
+    torch.cuda.synchronize()
+    return _kernel_times(fn, calls)
 
 
 def gpu_ms(fn, flush, replays):
