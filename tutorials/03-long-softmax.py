@@ -72,31 +72,15 @@ FUSED = kit.load_lesson("02-fused-softmax")  # short rows share a program there
 # kernel, before anything else goes wrong.
 #
 # Two details recur in the kernels below. First, the exponential: GPUs have a hardware
-# instruction for :math:`2^x` (``ex2.approx`` in PTX, ``MUFU.EX2`` in machine code), and
-# :math:`e^x = 2^{x \log_2 e}`, so the kernels write ``exp2((x - m) * LOG2E)``. That
-# saves less than it seems: ``tl.exp(x)`` is already compiled to that multiply and an
-# ``ex2.approx.f32`` (the cell "What exp2 saves" prints the compiler's output). Only
-# two differences remain:
-#
-# * ``tl.exp2`` emits the flush-to-zero ``ex2.approx.ftz.f32``, one ``MUFU.EX2``;
-#   ``tl.exp``'s ``ex2.approx.f32`` must get results below :math:`2^{-126}`
-#   (subnormals) right, which the hardware unit does not, so the assembler adds a
-#   compare and two predicated multiplies per element. Flushing them to zero moves a
-#   softmax output by less than :math:`1.2 \times 10^{-38}`.
-# * where a kernel multiplies its input anyway (attention's scale), :math:`\log_2 e`
-#   folds into that constant: ``tl.exp(s * scale)`` is two multiplies per element,
-#   ``tl.exp2(s * (scale * LOG2E))`` one.
-#
-# With no other multiply here, each element costs one subtract, one multiply and one
-# ``MUFU.EX2``, where ``tl.exp(x - m)`` would add the compare and two multiplies (their
-# cost in time is not measured). The order of subtract and multiply matters: scaling
-# :math:`x` by :math:`\log_2 e` on load and subtracting a scaled maximum later is
-# tempting, but for logits near :math:`10^4` the product is rounded to fp32's spacing
-# there (about :math:`10^{-3}`): a :math:`10^{-3}` relative error in every output.
-# Subtracting first is exact for nearby values, and the small difference then scales
-# without loss. (The attention lessons fold the scale into the scores anyway: their
-# scores are small.) Second, each chunk's maximum and sum are kept *per lane* (a vector
-# of ``BLOCK_N`` partial results), reduced across lanes once, after the loop.
+# instruction for :math:`2^x` (``MUFU.EX2``), and :math:`e^x = 2^{x \log_2 e}`, so the
+# kernels write ``exp2((x - m) * LOG2E)``. ``tl.exp`` compiles to the same multiply
+# and :math:`2^x`, so this saves less than it seems: "What exp2 saves" reads the
+# compiler's output. Where a kernel multiplies anyway (attention's scale),
+# :math:`\log_2 e` folds into that constant. Subtract the maximum *before* scaling:
+# for logits near :math:`10^4`, :math:`x \log_2 e` is rounded to fp32's spacing there
+# (about :math:`10^{-3}`), an error in every output; the difference of nearby values
+# is exact. Second, each chunk's maximum and sum are kept *per lane* (a vector of
+# ``BLOCK_N`` partial results), reduced across lanes once, after the loop.
 
 
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): e^x = 2^(x * LOG2E)
@@ -238,13 +222,15 @@ def row_on_chip_kernel(
 # %%
 # What exp2 saves
 # ---------------
-# Lesson 02's ``softmax_row_kernel`` and this lesson's ``row_on_chip_kernel`` are the
-# same kernel but for the exponential: ``tl.exp(x - m)`` there,
-# ``tl.exp2((x - m) * LOG2E)`` here. On a GPU this cell compiles both for a row of
-# 1,024 fp32 values (8 per thread of 4 warps) and counts the ``ex2`` instructions of
-# each kind in the PTX (Triton's output), and the ``MUFU.EX2``, compares (``FSETP``) and
-# multiplies (``FMUL``) in the machine code the assembler makes of it: what differs,
-# over 8 elements, is what ``tl.exp`` costs.
+# Lesson 02's ``softmax_row_kernel`` and this lesson's ``row_on_chip_kernel`` differ
+# only in the exponential: ``tl.exp(x - m)`` there, ``tl.exp2((x - m) * LOG2E)`` here.
+# On a GPU this cell compiles both for a row of 1,024 fp32 values (8 per thread) and
+# counts the ``ex2`` instructions in the PTX (Triton's output) and the ``MUFU.EX2``,
+# compares (``FSETP``) and multiplies (``FMUL``) in the machine code. ``tl.exp2``
+# emits the flush-to-zero ``ex2.approx.ftz.f32``; ``tl.exp``'s ``ex2.approx.f32``
+# must get results below :math:`2^{-126}` right, which the hardware unit does not, so
+# the assembler adds compares and multiplies: the difference printed is what
+# ``tl.exp`` costs (a softmax output moves by less than :math:`10^{-38}` without it).
 
 if __name__ == "__main__" and kit.ON_GPU:
     x = torch.randn(1, 1024, device=DEVICE)
@@ -479,14 +465,32 @@ def max_programs_per_sm(props):
     return limits.get((props.major, props.minor), 32)
 
 
+def variant(args):
+    """What Triton compiles a kernel apart for, per argument: an integer equal to 1,
+    divisible by 16, or past int32; a tensor's address aligned to 16 bytes. Each
+    variant has registers of its own, so a count of programs holds for one only."""
+    return tuple(
+        a.data_ptr() % 16 == 0
+        if isinstance(a, torch.Tensor)
+        else (a == 1, a % 16 == 0, a >= 2**31)
+        for a in args
+    )
+
+
+def _compiled(args, meta, num_warps):
+    kernel = split_row_kernel.warmup(
+        *args, **meta, num_warps=num_warps, grid=(1,), **COOPERATIVE
+    )
+    kernel._init_handles()  # loads it on the GPU: its registers are known from here
+    return kernel
+
+
 def _programs_that_fit(args, meta, num_warps):
     """How many programs of this kernel the GPU holds at once: all run together."""
-    key = (args[0].device, args[0].dtype, tuple(sorted(meta.items())), num_warps)
+    key = (args[0].device, args[0].dtype, variant(args), tuple(sorted(meta.items())),
+           num_warps)  # fmt: skip
     if key not in _resident:
-        kernel = split_row_kernel.warmup(
-            *args, **meta, num_warps=num_warps, grid=(1,), **COOPERATIVE
-        )
-        kernel._init_handles()
+        kernel = _compiled(args, meta, num_warps)
         props = torch.cuda.get_device_properties(args[0].device)
         threads = num_warps * 32
         regs = -(-kernel.n_regs // 8) * 8  # handed out in blocks of 256 per warp
@@ -593,12 +597,10 @@ if __name__ == "__main__":
         y.backward(dy)
         torch.testing.assert_close(y.double(), reference.detach(), rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(leaf.grad.double(), x64.grad, rtol=1e-5, atol=1e-6)
-        error = (y.double() - reference).abs().max().item()
-        grad_error = (leaf.grad.double() - x64.grad).abs().max().item()
-        print(
-            f"{name:12s} {M}x5001 fp32 vs float64: max abs error {error:.2e}, "
-            f"gradient {grad_error:.2e}"
-        )
+        errors = [(a.double() - b).abs().max().item()
+                  for a, b in ((y, reference), (leaf.grad, x64.grad))]
+        print(f"{name:12s} {M}x5001 fp32 vs float64: max abs error {errors[0]:.2e}, "
+              f"gradient {errors[1]:.2e}")
 
 # %%
 # Benchmark
@@ -684,10 +686,8 @@ if __name__ == "__main__":
     )])  # fmt: skip
 
 # %%
-# How close to the copy bandwidth?
-# --------------------------------
-# The results table above, one panel per dtype; the dashed line is the copy bandwidth,
-# drawn behind the curves so that a kernel running at it stays visible.
+# The same table, one panel per dtype; the dashed line is the copy bandwidth, drawn
+# behind the curves so that a kernel running at it stays visible.
 
 if __name__ == "__main__":
     title = f"Long-row softmax, M = {M} rows: speed against the copy bandwidth"
@@ -697,14 +697,12 @@ if __name__ == "__main__":
 # %%
 # Registers and bytes in flight, by dtype
 # ---------------------------------------
-# Where bf16 runs further from the copy than fp32 (this cell's last line says where it
-# did in this run), look here: each split-row program gets 32 KiB of the row in both
-# dtypes, twice the elements in bf16, each held as fp32 in registers until the row's
-# statistics arrive. More registers per thread mean fewer programs per SM, and while a
-# program waits for its row, only the SM's other programs keep loads in flight. This
-# cell asks the compiler per dtype for registers per thread and programs per SM (fixed
-# at every length with the chunk): how much of the row each SM can be loading at once.
-# Lesson 10 keeps the chunk in shared memory.
+# Each split-row program gets 32 KiB of the row, twice the elements in bf16, each held
+# as fp32 in registers until the row's statistics arrive: more registers per thread,
+# fewer programs per SM, and while a program waits, only the SM's others keep loads in
+# flight. This cell asks the compiler, per dtype, how much of the row each SM can be
+# loading at once; its last line says where bf16 ran further from the copy than fp32.
+# Lesson 10 keeps the chunk in shared memory instead.
 
 
 def by_dtype(speed, copy_gbs):
@@ -721,10 +719,7 @@ if __name__ == "__main__" and kit.ON_GPU:
     for dtype in dtypes:
         x = torch.empty(M, sizes[-1], device=DEVICE, dtype=dtype)
         y, args, meta = _split_row_args(x, SPLIT_BYTES // x.element_size())
-        compiled = split_row_kernel.warmup(
-            *args, **meta, num_warps=SPLIT_WARPS, grid=(1,), **COOPERATIVE
-        )
-        compiled._init_handles()
+        compiled = _compiled(args, meta, SPLIT_WARPS)
         per_sm = _programs_that_fit(args, meta, SPLIT_WARPS) // sms
         print(
             f"{str(dtype)[6:]:>8s}: {meta['CHUNK']} elements per program, "
@@ -766,12 +761,11 @@ elif __name__ == "__main__":
 # %%
 # Exercises
 # ---------
-# Write each attempt in a new cell at the end of this lesson's notebook, below the
-# checks, and call its check as the exercise shows; or in a file next to the lessons
-# that runs ``import stepkit as kit``, ``L03 = kit.load_lesson("03-long-softmax")`` and
-# then ``L03.check_merge_partials(merge_partials)``. Each check compares your function
-# with float64 on fresh random inputs of irregular shapes (``NaN`` fails) and raises
-# ``AssertionError`` saying what is wrong, or prints one line. No solutions here.
+# Write each attempt in a new cell at the end of this lesson's notebook, or in a file
+# next to the lessons that runs ``import stepkit as kit`` and
+# ``L03 = kit.load_lesson("03-long-softmax")``, then call its check as shown. A check
+# compares with float64 on fresh inputs of irregular shapes (``NaN`` fails) and names
+# the first wrong element, or prints one line. No solutions here.
 #
 # 1. **Two loops, one state per row.** Turn ``three_pass_kernel`` into two loops: the
 #    first keeps one running :math:`(m, d)` per row (not per lane as in

@@ -598,7 +598,7 @@ if __name__ == "__main__":
 # :doc:`performance page <../performance>` gives the method ("How we time"). Under the
 # interpreter the numbers only illustrate.
 
-PEERS = ("SDPA cuDNN", "SDPA flash") if kit.ON_GPU else ("SDPA math",)
+PEERS = kit.FAST_PEERS
 OURS = "Triton v2"
 V1_NAME = "Triton v1 (lesson 05)"
 if kit.ON_GPU:

@@ -380,7 +380,9 @@ def _shared_args(x, chunk):
 def compiled_kernel(args, meta):
     """The kernel compiled for these arguments, with the programs per SM it allows:
     (kernel, per SM)."""
-    key = (args[0].device, args[0].dtype, tuple(sorted(meta.items())))
+    # Per variant of the compiled kernel (lesson 03's ``variant``): each has registers
+    # of its own.
+    key = (args[0].device, args[0].dtype, LONG.variant(args), *sorted(meta.items()))
     if key not in _compiled:
         kernel = shared_split_row_kernel.warmup(
             *args, **meta, num_warps=SHARED_WARPS, grid=(1,), **LONG.COOPERATIVE

@@ -666,7 +666,7 @@ ATOMIC = V2_BWD.ATOMIC  # lesson 07's atomic backward, which lesson 13 may choos
 DEFAULT = "Triton, default path"
 FP8 = "Triton v2 fp8"
 OURS = (WS, PORTABLE, ATOMIC, FP8, DEFAULT)
-PEERS = ("SDPA cuDNN", "SDPA flash") if kit.ON_GPU else ("SDPA math",)
+PEERS = kit.FAST_PEERS
 INDEX = ["D", "causal", "mode", "N"]
 BY = "by GPU time" if kit.ON_GPU else "by the interpreter's wall-clock time"
 
