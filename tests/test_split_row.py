@@ -86,3 +86,18 @@ def test_the_counted_grid_runs_and_one_group_more_is_refused(M, N, dtype):
     with pytest.raises(RuntimeError, match="cooperative"):
         launch(1)
     torch.cuda.synchronize()
+
+
+LESSON_10 = load("10-long-softmax-gluon")
+ON_HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="lesson 10's shared-memory kernel needs a Hopper GPU")
+@pytest.mark.parametrize("chunk", [1024, 4096, 8192, 16384, 32768])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_lesson_10s_count_by_hand_is_cudas(chunk, dtype):
+    """Lesson 10 derives programs per SM from registers, threads and shared memory; lesson 03 asks CUDA. For
+    lesson 10's kernel (4 warps) the two must agree, or its page teaches a wrong count."""
+    x = torch.randn(64, 65536, device="cuda", dtype=dtype)
+    kernel, by_hand = LESSON_10.compiled_kernel(*LESSON_10._shared_args(x, chunk)[1:])
+    assert by_hand == LESSON_03.programs_per_sm(kernel, LESSON_10.SHARED_WARPS)

@@ -2,31 +2,26 @@
 Softmax over rows too long for one tile
 =======================================
 
-The fused softmax of the previous lesson keeps a whole row in registers, which stops
-working once a row outgrows a program's registers. This lesson walks a row in chunks
-instead: first in three passes, then in two, with the *online softmax* trick that
-FlashAttention is built on. Previous lesson: :doc:`02-fused-softmax`, whose file must
-sit next to this one (the site's zip of all lessons has both): for short rows,
-``long_softmax`` runs its kernel. Next: :doc:`04-tiled-matmul`. Triton's functions:
-`triton.language <https://triton-lang.org/main/python-api/triton.language.html>`_,
-`tl.exp2 <https://triton-lang.org/main/python-api/generated/triton.language.exp2.html>`_
-below.
+Lesson 02's fused softmax keeps a whole row in registers, which stops working once a
+row outgrows them. This lesson walks a row in chunks instead: in three passes, then in
+two with the *online softmax* that FlashAttention is built on. Previous lesson:
+:doc:`02-fused-softmax`, whose file must sit next to this one (the site's zip of all
+lessons has both): ``long_softmax`` runs its kernel for short rows. Next:
+:doc:`04-tiled-matmul`. Triton's functions: `triton.language
+<https://triton-lang.org/main/python-api/triton.language.html>`_, `tl.exp2
+<https://triton-lang.org/main/python-api/generated/triton.language.exp2.html>`_.
 
 You will learn:
 
-* why the one-tile kernel stops scaling, and what it costs to walk a row in chunks;
+* why the one-tile kernel stops scaling, and what walking a row in chunks costs;
 * the three-pass softmax (max, sum, normalize) and the bytes it moves;
-* the online softmax of Milakov and Gimelshein, `Online normalizer calculation for
-  softmax <https://arxiv.org/abs/1805.02867>`_ (2018), derived step by step: a running
-  maximum with a rescaled running sum, in two passes;
-* the *combine step* that merges two partial softmax states, which split-K decoding
-  kernels reuse;
-* what ``exp2`` really saves over ``exp``, read from the instructions the compiler
-  emits;
-* how far a single program can stretch before a row must leave the chip, and
-  (optional) how several programs can share one row so that it is read only once;
-* which kernel to run at which row length, from measurements;
-* how to give chunked kernels a backward pass that works for rows of any length;
+* the online softmax of Milakov and Gimelshein (`Online normalizer calculation for
+  softmax <https://arxiv.org/abs/1805.02867>`_, 2018), derived step by step, and the
+  *combine step* that merges two partial states, which split-K decoding reuses;
+* what ``exp2`` really saves over ``exp``, read from the compiler's instructions;
+* how far one program stretches before a row must leave the chip, and (optional) how
+  several programs can share a row so that it is read only once;
+* which kernel to run at which row length, and a backward for rows of any length;
 * how each compares with ``torch.softmax`` and ``torch.compile``, as fractions of the
   copy bandwidth.
 """
@@ -34,9 +29,9 @@ You will learn:
 # %%
 # Where the kernels run
 # ---------------------
-# As in every lesson, ``stepkit`` picks a CUDA GPU when there is one, otherwise the
-# Triton interpreter on the CPU, switched on before the first ``@triton.jit``.
+# As in every lesson, ``stepkit`` picks a CUDA GPU, else the Triton interpreter (CPU).
 
+import ctypes
 import functools
 
 import torch
@@ -55,14 +50,13 @@ FUSED = kit.load_lesson("02-fused-softmax")  # short rows share a program there
 # ----------------------------------
 # A Triton program runs on one streaming multiprocessor (SM) and holds everything in
 # that SM's registers (64K 32-bit registers, 256 KiB, on an H100) and shared memory (up
-# to 228 KiB), shared by the several programs it runs at once. A program has at most
-# 1,024 threads; even alone on the SM it gets at most 64 registers per thread. A row of
-# :math:`N = 65{,}536` fp32 values is 256 KiB, 64 values per thread: with the addresses
-# and temporaries the math needs, it cannot fit, and the compiler *spills* the rest to
-# local memory (device memory behind the caches). Half that row fits; the exact limit is
-# measured below. Past it, a kernel walks the row in ``BLOCK_N``-element chunks, at a
-# price: a softmax needs the row's maximum and sum before any output, so each chunk is
-# read more than once.
+# to 228 KiB), shared by the programs it runs at once. A program has at most 1,024
+# threads, so even alone on the SM it gets at most 64 registers per thread. A row of
+# :math:`N = 65{,}536` fp32 values is 256 KiB, 64 values per thread: with addresses and
+# temporaries it cannot fit, and the compiler *spills* the rest to local memory (device
+# memory behind the caches). Half that row fits (the limit is measured below). Past
+# it, a kernel walks the row in ``BLOCK_N``-element chunks, at a price: a softmax needs
+# the row's maximum and sum before any output, so each chunk is read more than once.
 #
 # Three passes
 # ------------
@@ -71,16 +65,15 @@ FUSED = kit.load_lesson("02-fused-softmax")  # short rows share a program there
 # :math:`3MN` elements and writes :math:`MN`: half the speed of an ideal one-pass
 # kernel, before anything else goes wrong.
 #
-# Two details recur in the kernels below. First, the exponential: GPUs have a hardware
-# instruction for :math:`2^x` (``MUFU.EX2``), and :math:`e^x = 2^{x \log_2 e}`, so the
-# kernels write ``exp2((x - m) * LOG2E)``. ``tl.exp`` compiles to the same multiply
-# and :math:`2^x`, so this saves less than it seems: "What exp2 saves" reads the
-# compiler's output. Where a kernel multiplies anyway (attention's scale),
-# :math:`\log_2 e` folds into that constant. Subtract the maximum *before* scaling:
-# for logits near :math:`10^4`, :math:`x \log_2 e` is rounded to fp32's spacing there
-# (about :math:`10^{-3}`), an error in every output; the difference of nearby values
-# is exact. Second, each chunk's maximum and sum are kept *per lane* (a vector of
-# ``BLOCK_N`` partial results), reduced across lanes once, after the loop.
+# Two details recur below. First, GPUs compute :math:`2^x` in hardware (``MUFU.EX2``)
+# and :math:`e^x = 2^{x \log_2 e}`, so the kernels write ``exp2((x - m) * LOG2E)``.
+# ``tl.exp`` compiles to the same multiply and :math:`2^x`, so this saves less than it
+# seems ("What exp2 saves" reads the compiler's output); where a kernel multiplies
+# anyway (attention's scale), :math:`\log_2 e` folds into that constant. Subtract the
+# maximum *before* scaling: near :math:`10^4`, :math:`x \log_2 e` is rounded to fp32's
+# spacing there (about :math:`10^{-3}`), an error in every output, while the difference
+# of nearby values is exact. Second, each chunk's maximum and sum are kept *per lane*
+# (a vector of ``BLOCK_N`` partial results), reduced across lanes once, after the loop.
 
 
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): e^x = 2^(x * LOG2E)
@@ -138,31 +131,26 @@ def three_pass_kernel(
 #
 # After the last element, :math:`m_N` and :math:`d_N` are the true maximum and sum, and
 # one more pass writes the output: :math:`2MN` read, :math:`MN` written. The rescaling
-# factor is at most 1, so nothing overflows, and it is exactly 1 when the maximum does
-# not change. Per lane, the same update runs on a vector of partial states, and at the
-# end the lanes merge by the same rule, :math:`m = \max_\ell m_\ell` and
-# :math:`d = \sum_\ell d_\ell e^{m_\ell - m}`. Everything later reuses that rule, so it
-# deserves a name. For the states of two disjoint parts :math:`a` and :math:`b`:
+# factor is at most 1, so nothing overflows (and exactly 1 while the maximum stays).
+# Each lane updates a state of its own; at the end the lanes merge by the same rule,
+# :math:`m = \max_\ell m_\ell` and :math:`d = \sum_\ell d_\ell e^{m_\ell - m}`, which
+# everything later reuses. For the states of two disjoint parts :math:`a` and :math:`b`:
 #
 # .. math::
 #
-#    &(m_a, d_a) \oplus (m_b, d_b) = (m,\; d), \quad \text{where} \\
-#    &m = \max(m_a, m_b), \\
-#    &d = d_a e^{m_a - m} + d_b e^{m_b - m}.
+#    (m_a, d_a) \oplus (m_b, d_b) = \big(m,\; d_a e^{m_a - m} + d_b e^{m_b - m}\big),
+#    \quad m = \max(m_a, m_b).
 #
 # This is **the combine step**. It is exact and associative, so parts merge in any
 # order and grouping: one element at a time (the update above), lane by lane after a
-# loop, or program by program, as the split-row kernel below does. Attention decoding
-# kernels (split-K, also called flash-decoding) use exactly this step: programs each
-# walk part of a long key sequence and leave a partial :math:`(m, d, \mathit{acc})`,
-# with :math:`\mathit{acc} = \sum e^{x - m} v` rescaled by :math:`e^{m_a - m}` like
-# :math:`d`, for a last step to merge (the second exercise).
+# loop, or program by program (the split-row kernel below). Split-K attention decoding
+# (flash-decoding) merges partial states with it too, carrying an accumulator
+# :math:`\mathit{acc} = \sum e^{x - m} v` rescaled like :math:`d` (the second exercise).
 #
-# One trap: a lane that has seen only :math:`-\infty` (masked padding, or genuine
-# ``-inf`` logits) has :math:`m_\ell = -\infty`, and :math:`e^{m_\ell - m_\ell}` is
-# :math:`e^{-\infty + \infty}`, ``NaN``. The kernel rescales against a maximum replaced
-# by 0 while it is still :math:`-\infty`; the terms are then :math:`e^{-\infty} = 0`, as
-# they should be.
+# One trap: a lane that has seen only :math:`-\infty` (masked padding, or ``-inf``
+# logits) has :math:`m_\ell = -\infty`, and :math:`e^{m_\ell - m_\ell}` is
+# :math:`e^{-\infty + \infty}`, ``NaN``. So the kernel rescales against a maximum
+# replaced by 0 while it is :math:`-\infty`; the terms are then :math:`e^{-\infty} = 0`.
 
 
 @triton.jit
@@ -198,11 +186,10 @@ def online_softmax_kernel(
 # %%
 # One pass, while the row still fits
 # ----------------------------------
-# Between "fits in a few warps" and "cannot fit at all", a row fits in one program only
-# if that program has the most threads a program can have, 32 warps (1,024 threads),
-# each holding a few dozen elements in registers: then the SM runs it alone. The row is
-# then read once and written once, like the fused kernel. Where it starts to spill, the
-# compiler and GPU say: see "Where a row stops fitting on chip", after the benchmark.
+# Between "fits in a few warps" and "cannot fit at all", a row fits in one program of
+# 32 warps (1,024 threads, the most a program has), a few dozen elements per thread,
+# alone on its SM: read once and written once, like the fused kernel. Where it starts
+# to spill, the compiler and GPU say in "Where a row stops fitting on chip", below.
 
 
 @triton.jit
@@ -222,15 +209,15 @@ def row_on_chip_kernel(
 # %%
 # What exp2 saves
 # ---------------
-# Lesson 02's ``softmax_row_kernel`` and this lesson's ``row_on_chip_kernel`` differ
-# only in the exponential: ``tl.exp(x - m)`` there, ``tl.exp2((x - m) * LOG2E)`` here.
-# On a GPU this cell compiles both for a row of 1,024 fp32 values (8 per thread) and
-# counts the ``ex2`` instructions in the PTX (Triton's output) and the ``MUFU.EX2``,
-# compares (``FSETP``) and multiplies (``FMUL``) in the machine code. ``tl.exp2``
-# emits the flush-to-zero ``ex2.approx.ftz.f32``; ``tl.exp``'s ``ex2.approx.f32``
-# must get results below :math:`2^{-126}` right, which the hardware unit does not, so
-# the assembler adds compares and multiplies: the difference printed is what
-# ``tl.exp`` costs (a softmax output moves by less than :math:`10^{-38}` without it).
+# Lesson 02's ``softmax_row_kernel`` and ``row_on_chip_kernel`` differ only in the
+# exponential: ``tl.exp(x - m)`` there, ``tl.exp2((x - m) * LOG2E)`` here. On a GPU
+# this cell compiles both for a row of 1,024 fp32 values (8 per thread) and counts the
+# ``ex2`` instructions in the PTX (Triton's output) and the ``MUFU.EX2``, compares
+# (``FSETP``) and multiplies (``FMUL``) in the machine code. ``tl.exp2`` emits the
+# flush-to-zero ``ex2.approx.ftz.f32``; ``tl.exp``'s ``ex2.approx.f32`` must get
+# results below :math:`2^{-126}` right, which the hardware unit does not, so the
+# assembler adds compares and multiplies: the difference is what ``tl.exp`` costs (a
+# softmax output moves by less than :math:`10^{-38}` without it).
 
 if __name__ == "__main__" and kit.ON_GPU:
     x = torch.randn(1, 1024, device=DEVICE)
@@ -248,14 +235,13 @@ elif __name__ == "__main__":
 # %%
 # The backward, for rows of any length
 # ------------------------------------
-# Every launcher below returns a tensor that autograd can differentiate, with lesson
-# 02's math, :math:`dx = y \circ \big(dy - \operatorname{rowsum}(dy \circ y)\big)` from
-# the Jacobian :math:`\operatorname{diag}(y) - y\,y^\top`: it needs only the saved
-# output :math:`y`. A long row no longer fits in registers, so the backward walks it in
-# chunks like the forward: one loop for the dot product of :math:`dy` and :math:`y` (per
-# lane, reduced once), one to write :math:`dx`. This reads :math:`y` and :math:`dy`
-# twice (lesson 02's fused backward reads them once), but one kernel serves rows of any
-# length, whichever forward produced :math:`y`.
+# Every launcher below returns a tensor autograd can differentiate, with lesson 02's
+# :math:`dx = y \circ \big(dy - \operatorname{rowsum}(dy \circ y)\big)` (from the
+# Jacobian :math:`\operatorname{diag}(y) - y\,y^\top`), which needs only the saved
+# output :math:`y`. A long row does not fit in registers, so the backward walks it in
+# chunks: one loop for the dot product of :math:`dy` and :math:`y` (per lane, reduced
+# once), one to write :math:`dx`. It reads :math:`y` and :math:`dy` twice (lesson 02's
+# fused backward reads them once), but serves rows of any length, from any forward.
 
 
 @triton.jit
@@ -293,11 +279,9 @@ def softmax_backward_kernel(
 # hardware scheduler keeps every SM busy without a persistent loop. Chunks are 4,096
 # elements on 8 warps (16 per thread); tests force tiny ones with ``block_n`` so that
 # the loops run many times. A chunk must be a power of two, like Triton's block shapes:
-# a bad ``block_n`` is refused here by name, not deep in the kernel. As in lesson 02, a
-# *negative view* (``torch._neg_view(x)``, or ``x.conj().imag``), whose memory holds
-# the un-negated values, is resolved first. The autograd wrapper is lesson 02's, with
-# the backward above (``forward`` saves :math:`y`); calls that want no graph, such as
-# the benchmark's, skip it and pay nothing.
+# a bad ``block_n`` is refused here by name, not deep in the kernel. As in lesson 02,
+# negative views are resolved first, and the autograd wrapper is lesson 02's, with the
+# backward above; calls that want no graph, such as the benchmark's, pay nothing for it.
 
 check_input, SUPPORTED_DTYPES = FUSED.check_input, FUSED.SUPPORTED_DTYPES
 ROW_ON_CHIP_LIMIT = 32768  # longest row (elements) row_on_chip_kernel is launched for
@@ -357,10 +341,8 @@ def row_on_chip_softmax(x):
     """Row-wise softmax reading each row once; rows up to ROW_ON_CHIP_LIMIT elements."""
     x = _prepare(x)
     if x.shape[1] > ROW_ON_CHIP_LIMIT:
-        raise ValueError(
-            "row_on_chip_softmax holds a row in registers: at most "
-            f"{ROW_ON_CHIP_LIMIT} columns, got {x.shape[1]}"
-        )
+        raise ValueError("row_on_chip_softmax holds a row in registers: at most "
+                         f"{ROW_ON_CHIP_LIMIT} columns, got {x.shape[1]}")
     block_n = triton.next_power_of_2(x.shape[1])
     num_warps = max(1, min(32, block_n // 32))
     return differentiable(_launcher(row_on_chip_kernel, block_n, num_warps), x)
@@ -369,17 +351,16 @@ def row_on_chip_softmax(x):
 # %%
 # Optional: programs that share a row
 # -----------------------------------
-# FlashAttention does not need this section (its programs split work by blocks of
-# queries, not one row across programs); skip to "Correctness" on a first reading. Past
-# one SM, the two-pass kernel reads a row twice: a ceiling of two thirds of the copy
-# bandwidth, unless the L2 cache serves the second read ("What the numbers say" prints
-# the two-pass share: past 2/3, it did). To read a long row once, several programs share
-# it. Each of ``SPLITS`` programs holds one chunk in registers, computes its maximum
-# :math:`m_c` and sum :math:`d_c = \sum e^{x - m_c}`, publishes the pair to a small
-# buffer in device memory, increments the row's *arrival counter*, waits until it shows
-# every chunk has arrived, merges the pairs with the combine step and normalizes the
-# chunk it still holds: each element read and written once, like the fused kernel, for
-# rows of any length the whole GPU can hold:
+# FlashAttention does not need this section (its programs split queries, not a row);
+# skip to "Correctness" on a first reading. Past one SM, the two-pass kernel reads a
+# row twice: a ceiling of two thirds of the copy bandwidth, unless the L2 cache serves
+# the second read ("What the numbers say" prints the two-pass share: past 2/3, it did).
+# To read a long row once, several programs share it. Each of ``SPLITS`` programs holds
+# one chunk in registers, computes its maximum :math:`m_c` and sum
+# :math:`d_c = \sum e^{x - m_c}`, publishes the pair to a small buffer in device memory,
+# increments the row's *arrival counter*, waits until every chunk has arrived, merges
+# the pairs with the combine step and normalizes the chunk it still holds: each element
+# read and written once, for rows of any length the whole GPU can hold:
 
 if __name__ == "__main__":
     kit.draw_split_row()
@@ -388,37 +369,27 @@ if __name__ == "__main__":
 # A kernel's programs normally never wait for one another, so this takes care:
 #
 # * **Every program of a row must be running at the same time**, or the waiting ones
-#   spin forever on a chunk that never arrives. So the launcher compiles the kernel
-#   first, reads how many programs fit on the GPU at once (its occupancy) and launches
-#   no more, each group of ``SPLITS`` programs walking its share of the rows,
-#   *cooperatively* (``launch_cooperative_grid=True``): CUDA starts them all together,
-#   or refuses a grid too large for that with an error ("too many blocks in cooperative
-#   launch") instead of letting it hang.
+#   spin forever on a chunk that never arrives. So the launcher compiles the kernel,
+#   asks CUDA how many of its programs fit on the GPU at once (its occupancy; lesson
+#   10 derives that count by hand) and launches no more, each group of ``SPLITS``
+#   programs walking its share of the rows,
+#   *cooperatively* (``launch_cooperative_grid=True``): CUDA starts them all together
+#   or refuses a grid too large for that ("too many blocks in cooperative launch")
+#   instead of letting it hang.
 # * **Memory ordering.** The pair must be visible before the counter says it is: the
 #   increment is an atomic with *release* semantics, the polling read one with
 #   *acquire* semantics, and the pairs are read back with ``volatile`` loads that
 #   bypass the SM's non-coherent L1 cache.
-# * **The interpreter runs programs one after another**, so a program waiting for a
-#   later one would wait forever: there each row gets one program (``SPLITS = 1``),
-#   exercising all but the waiting. The correctness check below runs the cooperative
-#   version on a GPU, on rows split ten ways.
+# * **The interpreter runs programs one after another**, so a waiting program would
+#   wait forever: there each row gets one program (``SPLITS = 1``), exercising all but
+#   the waiting. The correctness check below runs rows split ten ways on a GPU.
 
 
 @triton.jit
 def split_row_kernel(
-    x_ptr,
-    y_ptr,
-    stats_ptr,
-    arrived_ptr,
-    M,
-    N,
-    x_row_stride,
-    x_col_stride,
-    y_row_stride,
-    CHUNK: tl.constexpr,
-    SPLITS: tl.constexpr,
-    SPLITS_POW2: tl.constexpr,
-):
+    x_ptr, y_ptr, stats_ptr, arrived_ptr, M, N, x_row_stride, x_col_stride,
+    y_row_stride, CHUNK: tl.constexpr, SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0)
     groups = tl.num_programs(0) // SPLITS
     split = pid % SPLITS
@@ -458,13 +429,6 @@ COOPERATIVE = dict(launch_cooperative_grid=True)
 _resident = {}
 
 
-def max_programs_per_sm(props):
-    """Programs (thread blocks) an SM holds at most: 16 or 24 on these, 32 on the
-    others from Volta to Hopper (the CUDA programming guide's table of limits)."""
-    limits = {(7, 5): 16, (8, 6): 16, (8, 7): 16, (8, 9): 24}
-    return limits.get((props.major, props.minor), 32)
-
-
 def variant(args):
     """What Triton compiles a kernel apart for, per argument: an integer equal to 1,
     divisible by 16, or past int32; a tensor's address aligned to 16 bytes. Each
@@ -485,22 +449,26 @@ def _compiled(args, meta, num_warps):
     return kernel
 
 
+def programs_per_sm(kernel, num_warps):
+    """CUDA's count of a loaded kernel's programs that one SM holds at once, the
+    count a cooperative launch is checked against (lesson 10 derives it by hand)."""
+    count = ctypes.c_int()
+    status = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctypes.byref(count), ctypes.c_void_p(kernel.function), 32 * num_warps,
+        ctypes.c_size_t(kernel.metadata.shared))  # fmt: skip
+    if status:
+        raise RuntimeError(f"CUDA's occupancy query failed with error {status}")
+    return count.value
+
+
 def _programs_that_fit(args, meta, num_warps):
     """How many programs of this kernel the GPU holds at once: all run together."""
     key = (args[0].device, args[0].dtype, variant(args), tuple(sorted(meta.items())),
            num_warps)  # fmt: skip
     if key not in _resident:
         kernel = _compiled(args, meta, num_warps)
-        props = torch.cuda.get_device_properties(args[0].device)
-        threads = num_warps * 32
-        regs = -(-kernel.n_regs // 8) * 8  # handed out in blocks of 256 per warp
-        per_sm = min(
-            props.regs_per_multiprocessor // max(1, regs * threads),
-            props.max_threads_per_multi_processor // threads,
-            props.shared_memory_per_multiprocessor // max(1, kernel.metadata.shared),
-            max_programs_per_sm(props),
-        )
-        _resident[key] = props.multi_processor_count * per_sm
+        sms = torch.cuda.get_device_properties(args[0].device).multi_processor_count
+        _resident[key] = sms * programs_per_sm(kernel, num_warps)
     return _resident[key]
 
 
@@ -607,10 +575,9 @@ if __name__ == "__main__":
 # ---------
 # On a GPU, :math:`M = 4096` rows of 16K to 256K elements (under the interpreter, a few
 # small rows), in GB/s (:math:`2MN \times` element size over time), beside
-# ``torch.softmax``, ``torch.compile`` (GPU only) and this run's copy bandwidth.
-#
-# How we time: by *GPU time* (CUDA graph replays after an L2 flush; the table) and *back
-# to back* (calls in a row, as a loop sees them; the sentences), as the
+# ``torch.softmax``, ``torch.compile`` (GPU only) and this run's copy bandwidth. How we
+# time: by *GPU time* (CUDA graph replays after an L2 flush; the table) and *back to
+# back* (calls in a row, as a loop sees them; the sentences), as the
 # :doc:`performance page <../performance>` defines them ("How we time"). Under the
 # interpreter both are NumPy's wall-clock time on the CPU: illustrative.
 
@@ -637,10 +604,8 @@ if __name__ == "__main__":
     import matplotlib.pyplot as plt
 
     print(kit.describe_platform())
-    if kit.ON_GPU:
-        M, sizes = 4096, [16384, 32768, 65536, 131072, 262144]
-    else:
-        M, sizes = 4, [4096, 16384]
+    gpu_problem = 4096, [16384, 32768, 65536, 131072, 262144]
+    M, sizes = gpu_problem if kit.ON_GPU else (4, [4096, 16384])
     dtypes = [torch.float32, torch.bfloat16]
     copy_gbs = kit.copy_bandwidth_gbs()
     print(f"device copy bandwidth, measured now: {copy_gbs:.0f} GB/s")
@@ -662,7 +627,9 @@ kit.rates_table(results, ["dtype", "N"], "GB/s") if __name__ == "__main__" else 
 # against the best PyTorch peer and its share of the copy bandwidth, by GPU time, then
 # back to back. The byte counts predict at most 1/2 of the copy bandwidth for three
 # passes, 2/3 for two, all of it for one; a pass re-reading a row still in the L2 cache
-# can beat that, the more so the shorter the row: the table shows by how much.
+# can beat that, the more so the shorter the row: the table shows by how much. The plot
+# draws the same table, one panel per dtype; the dashed line is the copy bandwidth,
+# drawn behind the curves so that a kernel running at it stays visible.
 
 if __name__ == "__main__":
     peers = [c for c in table.columns if c not in OURS]
@@ -671,12 +638,11 @@ if __name__ == "__main__":
         loop = b2b.loc[key, best] / b2b.loc[key, peers].max()
         loop = f" ({loop:.2f}x back to back)" if kit.ON_GPU else ""
         two = row["online (two-pass)"]
-        print(
-            f"{key[0]:>8s} N = {key[1]:>6d}: best is {best} at "
-            f"{row[best] / copy_gbs:.0%} of copy bandwidth, "
-            f"{row[best] / row[peers].max():.2f}x the best PyTorch peer{loop}; "
-            f"two-pass {two / copy_gbs:.0%}, {two / row['three-pass']:.2f}x three-pass"
-        )
+        print(f"{key[0]:>8s} N = {key[1]:>6d}: best is {best} at "
+              f"{row[best] / copy_gbs:.0%} of copy bandwidth, "
+              f"{row[best] / row[peers].max():.2f}x the best PyTorch peer{loop}; "
+              f"two-pass {two / copy_gbs:.0%}, "
+              f"{two / row['three-pass']:.2f}x three-pass")
     if not kit.ON_GPU:
         print("Interpreter timings: the ratios measure NumPy on the CPU, illustrative.")
     benchmark = dict(name=f"long-row softmax, M = {M}", unit="GB/s", ceiling=copy_gbs)
@@ -684,12 +650,6 @@ if __name__ == "__main__":
         benchmark, ceiling_name="copy bandwidth", ours=list(OURS), peers=peers,
         rows=results.to_dict("records"),
     )])  # fmt: skip
-
-# %%
-# The same table, one panel per dtype; the dashed line is the copy bandwidth, drawn
-# behind the curves so that a kernel running at it stays visible.
-
-if __name__ == "__main__":
     title = f"Long-row softmax, M = {M} rows: speed against the copy bandwidth"
     kit.plot_bandwidth(table, copy_gbs, title, list(OURS))
     plt.show()
@@ -721,11 +681,9 @@ if __name__ == "__main__" and kit.ON_GPU:
         y, args, meta = _split_row_args(x, SPLIT_BYTES // x.element_size())
         compiled = _compiled(args, meta, SPLIT_WARPS)
         per_sm = _programs_that_fit(args, meta, SPLIT_WARPS) // sms
-        print(
-            f"{str(dtype)[6:]:>8s}: {meta['CHUNK']} elements per program, "
-            f"{compiled.n_regs} registers per thread, {per_sm} programs per SM, so "
-            f"{per_sm * SPLIT_BYTES // 1024} KiB of the row in flight per SM"
-        )
+        print(f"{str(dtype)[6:]:>8s}: {meta['CHUNK']} elements per program, "
+              f"{compiled.n_regs} registers per thread, {per_sm} programs per SM, so "
+              f"{per_sm * SPLIT_BYTES // 1024} KiB of the row in flight per SM")
     print(by_dtype(table["split row (one pass)"], copy_gbs))
 elif __name__ == "__main__":
     print("Registers and occupancy need a kernel compiled for a GPU.")
@@ -750,11 +708,9 @@ if __name__ == "__main__" and kit.ON_GPU:
         launch = functools.partial(row_on_chip_kernel[(4096,)], *args, **meta)
         timed = kit.time_calls({"row": kit.call_timer(launch)})["row"]
         gbs = timed.row(2 * x.numel() * 4 * 1e-6)["gpu_value"]
-        print(
-            f"N = {block_n:6d}: {compiled.n_regs} registers and "
-            f"{4 * compiled.n_spills} bytes of local memory per thread; "
-            f"{gbs / copy_gbs:.0%} of the copy bandwidth"
-        )
+        print(f"N = {block_n:6d}: {compiled.n_regs} registers and "
+              f"{4 * compiled.n_spills} bytes of local memory per thread; "
+              f"{gbs / copy_gbs:.0%} of the copy bandwidth")
 elif __name__ == "__main__":
     print("Registers and spills need a kernel compiled for a GPU.")
 
@@ -768,20 +724,18 @@ elif __name__ == "__main__":
 # the first wrong element, or prints one line. No solutions here.
 #
 # 1. **Two loops, one state per row.** Turn ``three_pass_kernel`` into two loops: the
-#    first keeps one running :math:`(m, d)` per row (not per lane as in
-#    ``online_softmax_kernel``), merging each chunk's own maximum and sum into it with
-#    the combine step; the second writes the output. Wrap it in
+#    first keeps one running :math:`(m, d)` per row (not per lane, as
+#    ``online_softmax_kernel`` does), merging each chunk's own maximum and sum into it
+#    with the combine step; the second writes the output. Wrap it in
 #    ``two_loop_softmax(x, block_n)`` and run
 #    ``check_two_loop_softmax(two_loop_softmax)``: its 16-element chunks make the loops
-#    run many times, and some rows' whole first chunk is ``-inf`` (mind the online
-#    softmax's trap).
+#    run many times, and some rows' first chunk is all ``-inf`` (mind the trap above).
 # 2. **The decoding combine.** A split-K (flash-decoding) attention kernel leaves, for
-#    each of :math:`M` rows, :math:`S` partial states
-#    :math:`(m_s, d_s, \mathit{acc}_s)`, with
-#    :math:`\mathit{acc}_s = \sum e^{x - m_s} v` of length :math:`D` over split
-#    :math:`s`'s keys. Write ``merge_partials(m, d, acc)`` as a Triton kernel: ``m``
-#    and ``d`` are (M, S) fp32, ``acc`` is (M, S, D) fp32 with any strides, and the
-#    result is the (M, D) fp32 output
+#    each of :math:`M` rows, :math:`S` partial states :math:`(m_s, d_s, \mathit{acc}_s)`
+#    with :math:`\mathit{acc}_s = \sum e^{x - m_s} v` of length :math:`D` over split
+#    :math:`s`'s keys. Write ``merge_partials(m, d, acc)`` as a Triton kernel: ``m`` and
+#    ``d`` are (M, S) fp32, ``acc`` is (M, S, D) fp32 with any strides, and the result
+#    is the (M, D) fp32 output
 #    :math:`\sum_s e^{m_s - m} \mathit{acc}_s / \sum_s e^{m_s - m} d_s`. Splits that saw
 #    only masked keys have :math:`m_s = -\infty`, :math:`d_s = 0`,
 #    :math:`\mathit{acc}_s = 0`. Check with ``check_merge_partials(merge_partials)``.
@@ -791,23 +745,17 @@ def check_two_loop_softmax(fn):
     """Check fn(x, 16) -> row-wise softmax, on rows that start with -inf."""
     for count, (case, leaf, view) in enumerate(kit.irregular_rows(scale=10), 1):
         x = view(leaf)
-        x[len(x) // 2] += (
-            100  # e^100 overflows fp32: the running max must be subtracted
-        )
+        x[len(x) // 2] += 100  # e^100 overflows fp32: subtract the running max
         x[0, :20] = -float("inf")  # the first chunk of row 0 (all of it when N <= 20)
         x[0, -1] = 0.0  # one finite logit per row: an all -inf row has no softmax
         x[-1, ::3] = -float("inf")
         x[-1, -1] = 0.0
         expected = torch.softmax(x.double(), dim=1)
         tol = kit.TOLERANCE[x.dtype]
-        kit.expect_close(
-            "two_loop_softmax", case, "the output", fn(x, 16), expected, x.dtype,
-            tol, tol / 100,
-        )  # fmt: skip
-    print(
-        f"two_loop_softmax passed on {count} fresh inputs (irregular shapes, "
-        "fp32/fp16/bf16, masked logits, strided views)."
-    )
+        kit.expect_close("two_loop_softmax", case, "the output", fn(x, 16), expected,
+                         x.dtype, tol, tol / 100)  # fmt: skip
+    print(f"two_loop_softmax passed on {count} fresh inputs (irregular shapes, "
+          "fp32/fp16/bf16, masked logits, strided views).")
 
 
 def check_merge_partials(fn):
@@ -834,11 +782,7 @@ def check_merge_partials(fn):
         merged = (weights[:, :, None] * acc.double()).sum(dim=1)
         expected = merged / (weights * d.double()).sum(dim=1)[:, None]
         case = f"M={M}, S={S}, D={D}"
-        kit.expect_close(
-            "merge_partials", case, "the output", fn(m, d, acc), expected,
-            torch.float32, 1e-5, 1e-6,
-        )  # fmt: skip
-    print(
-        f"merge_partials passed on {count} fresh inputs (irregular M, S and D, "
-        "masked splits, strided acc)."
-    )
+        kit.expect_close("merge_partials", case, "the output", fn(m, d, acc), expected,
+                         torch.float32, 1e-5, 1e-6)  # fmt: skip
+    print(f"merge_partials passed on {count} fresh inputs (irregular M, S and D, "
+          "masked splits, strided acc).")

@@ -304,15 +304,12 @@ def shared_split_row_kernel(
 # How many programs fit
 # ---------------------
 # Every program of a row must run at the same time, or the ones that wait spin forever
-# (lesson 03). So the launcher starts no more programs than the GPU holds at once. CUDA
-# promises that all programs run together only to a *cooperative* launch
-# (``launch_cooperative_grid=True``, which lesson 03's launcher and this one pass to
-# Triton), and it refuses a grid too large for that with an error, where a plain launch
-# of one program too many would leave a row's last program waiting for an SM that never
-# frees. So the count must be exact: too low leaves room on the SMs unused, too high is
-# refused. After the correctness checks, the page launches the grid that this count
-# allows, and one group more. An SM runs as many programs as the tightest of its limits
-# allows:
+# (lesson 03). CUDA promises that all programs run together only to a *cooperative*
+# launch (``launch_cooperative_grid=True``), and refuses a grid too large for that with
+# an error, where a plain launch of one program too many would leave a row's last
+# program waiting for an SM that never frees. So the count must be exact: too low
+# leaves the SMs room unused, too high is refused. An SM runs as many programs as the
+# tightest of its limits allows:
 #
 # * **registers**: ``regs_per_multiprocessor`` (65,536 on Hopper) over registers per
 #   thread times threads per program, where registers are handed out in blocks of 256
@@ -321,17 +318,25 @@ def shared_split_row_kernel(
 # * **shared memory**: ``shared_memory_per_multiprocessor`` (228 KiB on Hopper) over the
 #   program's shared memory plus the 1 KiB that CUDA reserves for each program (Nsight
 #   Compute lists it as "Driver Shared Memory Per Block"), in units of 128 bytes;
-# * **programs**: at most 32 per SM on Hopper (lesson 03's ``max_programs_per_sm``).
+# * **programs**: at most 32 per SM on Hopper (the CUDA programming guide's table).
 #
-# The compiler reports what a compiled kernel needs for the first and third limits:
-# registers per thread (``n_regs``) and shared memory per program (``metadata.shared``).
-# Lesson 03's launcher, whose kernel uses almost no shared memory, leaves out the
-# reserved kilobyte. Here it can matter: 7 programs of 32 KiB chunks (16,384 bf16
-# elements) would fit in 228 KiB without it, 6 with it.
+# The compiler reports registers per thread (``n_regs``) and shared memory per program
+# (``metadata.shared``). The reserved kilobyte matters: 7 programs of 32 KiB chunks
+# would fit in 228 KiB without it, 6 with it. This count is for this kernel's 4 warps
+# per program; with 1 or 2 it counted too many on an H100, so lesson 03's launcher,
+# which takes any warp count, asks CUDA (``programs_per_sm``). The page prints both
+# after the correctness checks, and launches the grid counted and one group more.
 
 SHARED_CHUNK_BYTES, SHARED_PIECE, SHARED_WARPS = 16384, 2048, 4
 RESERVED_SHARED_BYTES = 1024
 _compiled = {}
+
+
+def max_programs_per_sm(props):
+    """Programs (thread blocks) an SM holds at most: 16 or 24 on these, 32 on the
+    others from Volta to Hopper (the CUDA programming guide's table of limits)."""
+    limits = {(7, 5): 16, (8, 6): 16, (8, 7): 16, (8, 9): 24}
+    return limits.get((props.major, props.minor), 32)
 
 
 def program_limits(kernel, props, num_warps):
@@ -343,7 +348,7 @@ def program_limits(kernel, props, num_warps):
         "registers": props.regs_per_multiprocessor // (regs * threads),
         "threads": props.max_threads_per_multi_processor // threads,
         "shared memory": props.shared_memory_per_multiprocessor // shared,
-        "programs": LONG.max_programs_per_sm(props),
+        "programs": max_programs_per_sm(props),
     }
 
 
@@ -532,9 +537,12 @@ if __name__ == "__main__" and reason is None:
             programs, limits, launch = counted_grid(x, chunk, extra)
             if extra == 0:
                 counted, binding = programs, min(limits, key=limits.get)
+                kernel = compiled_kernel(*_shared_args(x, chunk)[1:])[0]
+                cuda = LONG.programs_per_sm(kernel, SHARED_WARPS)
                 what = (
                     f"chunks of {chunk}: {programs} programs "
-                    f"({min(limits.values())} per SM, set by {binding})"
+                    f"({min(limits.values())} per SM, set by {binding}; CUDA "
+                    f"counts {cuda})"
                 )
             else:
                 more = programs - counted
