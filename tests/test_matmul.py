@@ -278,15 +278,45 @@ EXERCISES = {
 def test_exercise_check_accepts_a_correct_solution(exercise, capsys):
     check_fn, solution, _ = EXERCISES[exercise]
     check_fn(solution)
-    assert "correct on every shape" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "correct on every shape" in out
+    if exercise == "bias_relu":  # then its speed: timed on a GPU, only announced elsewhere
+        assert ("of the speed of this lesson's matmul" if L.kit.ON_GPU else "measured only on a GPU") in out
 
 
 @pytest.mark.parametrize("exercise, wrong", [(e, w) for e, (_, _, wrongs) in EXERCISES.items() for w in wrongs])
 def test_exercise_check_rejects_a_wrong_solution(exercise, wrong, capsys):
     check_fn, _, wrongs = EXERCISES[exercise]
-    with pytest.raises(AssertionError, match=r"on (B, )?M, N, K = "):
+    # The message names the case, then the first wrong element (or what the result should be) and how far off.
+    with pytest.raises(AssertionError, match=r"on (B, )?M, N, K = [^:]*: the result(: element \(\d+, \d+(, \d+)?\) is "
+                                             r".* off by | should be a)"):
         check_fn(wrongs[wrong])
     assert "correct" not in capsys.readouterr().out
+
+
+def test_exercise_check_names_the_first_nan():
+    with pytest.raises(AssertionError, match=r"^\(a\) bias \+ ReLU on M, N, K = 1, 1, 1: the result: element "
+                                             r"\(0, 0\) is nan, the float64 reference [0-9.e-]+: off by nan"):
+        L.check_bias_relu(EXERCISES["bias_relu"][2]["NaN in the result"])
+
+
+def test_exercise_check_names_the_first_wrong_element_of_a_batch():
+    # Every batch computed from batch 0: the first wrong element is in batch 1 of the first case with two.
+    with pytest.raises(AssertionError, match=r"on B, M, N, K = 3, 37, 29, 45 \(a transposed\): the result: element "
+                                             r"\(1, \d+, \d+\) is "):
+        L.check_batched_matmul(EXERCISES["batched_matmul"][2]["every batch uses batch 0"])
+
+
+def test_exercise_speed_line_of_bias_relu_reads_the_matmul_alone_and_unfused(monkeypatch):
+    """The line of check_bias_relu's timing, on a pretend GPU whose time_calls gives each timer a GPU time."""
+    from types import SimpleNamespace
+
+    ms = {"fused": 2.0, "matmul": 1.9, "unfused": 3.0}
+    monkeypatch.setattr(L.kit, "ON_GPU", True)
+    monkeypatch.setattr(L.kit, "time_calls", lambda timers: {k: SimpleNamespace(gpu=[ms[k]]) for k in timers})
+    line = L.bias_relu_speed(bias_relu, M=40, N=30, K=20)
+    assert "M, N, K = 40, 30, 20, by GPU time (not enforced)" in line
+    assert "95% of the speed of this lesson's matmul alone" in line and "1.50x the matmul followed by" in line
 
 
 def test_the_back_to_back_sentence_follows_the_ratio():

@@ -347,7 +347,22 @@ def masked_softmax(x, lengths):
 
 def test_check_masked_softmax_accepts_a_correct_solution(capsys):
     LESSON_02.check_masked_softmax(masked_softmax)
-    assert "masked_softmax passed" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "masked_softmax passed" in out
+    # Then its speed: timed on a GPU, only announced elsewhere.
+    assert ("of the speed of copying x" if LESSON_02.kit.ON_GPU else "speed is measured only on a GPU") in out
+
+
+def test_check_masked_softmax_speed_line_reads_the_copy_and_the_lesson_softmax(monkeypatch):
+    """The line of check_masked_softmax's timing, on a pretend GPU whose time_calls gives each timer a GPU time."""
+    from types import SimpleNamespace
+
+    ms = {"yours": 0.5, "softmax": 0.6, "copy": 0.45}
+    monkeypatch.setattr(LESSON_02.kit, "ON_GPU", True)
+    monkeypatch.setattr(LESSON_02.kit, "time_calls", lambda timers: {k: SimpleNamespace(gpu=[ms[k]]) for k in timers})
+    line = LESSON_02.masked_softmax_speed(masked_softmax, M=4, N=10)
+    assert "4x10 fp16, by GPU time (not enforced)" in line
+    assert "90% of the speed of copying x" in line and "1.20x this lesson's softmax" in line
 
 
 def test_check_masked_softmax_rejects_a_softmax_that_ignores_lengths():
@@ -360,7 +375,9 @@ def test_check_masked_softmax_rejects_padding_that_is_almost_zero():
         keep = torch.arange(x.shape[1], device=x.device)[None, :] < lengths[:, None]
         return torch.softmax(x.float().masked_fill(~keep, -60.0), dim=1).to(x.dtype)
 
-    with pytest.raises(AssertionError, match="exactly 0"):
+    # Within the tolerance of 0 (e^-60 is about 1e-26), so only the padding's own check sees it.
+    with pytest.raises(AssertionError, match=r"float32: element \((\d+), \d+\), past row \1's length \d+, is "
+                                             r"[0-9.e-]+; columns past a row's length must be exactly 0"):
         LESSON_02.check_masked_softmax(leaky)
 
 
@@ -371,7 +388,7 @@ def test_check_masked_softmax_rejects_a_kernel_that_ignores_the_column_stride():
                                               BLOCK_N=triton.next_power_of_2(x.shape[1]))
         return y
 
-    with pytest.raises(AssertionError, match="transposed view float32: the output differs"):
+    with pytest.raises(AssertionError, match=r"90x11 transposed view float32: the output: element \(\d+, \d+\) is "):
         LESSON_02.check_masked_softmax(contiguous_columns)
 
 
@@ -381,8 +398,22 @@ def test_check_masked_softmax_rejects_a_softmax_without_the_max():
         e = torch.exp(x.float()).masked_fill(~keep, 0.0)
         return (e / e.sum(dim=1, keepdim=True)).to(x.dtype)
 
-    with pytest.raises(AssertionError, match="masked_softmax on"):
+    # Row 0 is shifted up by 100: e^x overflows to inf in fp32, and inf / inf is NaN.
+    with pytest.raises(AssertionError, match=r"float32: the output: element \(0, \d+\) is nan, the float64 reference"):
         LESSON_02.check_masked_softmax(unshifted)
+
+
+def test_check_masked_softmax_names_a_nan_left_in_the_padding():
+    def stores_only_the_kept_columns(x, lengths):
+        # Stored under the mask of the kept columns: the padding keeps what the buffer held, here NaN.
+        y = torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)
+        keep = torch.arange(x.shape[1], device=x.device)[None, :] < lengths[:, None]
+        return torch.where(keep, masked_softmax(x, lengths), y)
+
+    # 5x257 is the first case with padding: its last row holds one element.
+    with pytest.raises(AssertionError, match=r"5x257 float32: the output: element \(\d, \d+\) is nan, the float64 "
+                                             r"reference 0: off by nan"):
+        LESSON_02.check_masked_softmax(stores_only_the_kept_columns)
 
 
 def test_check_masked_softmax_rejects_a_maximum_taken_over_the_padding():
@@ -425,12 +456,17 @@ def _log_softmax_backward_kernel(y_ptr, dy_ptr, dx_ptr, N, BLOCK_N: tl.constexpr
     tl.store(dx_ptr + row * N + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
+def log_softmax_forward(x):
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _log_softmax_kernel[(x.shape[0],)](x, y, x.shape[1], x.stride(0), x.stride(1),
+                                       BLOCK_N=triton.next_power_of_2(x.shape[1]))
+    return y
+
+
 class _LogSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        _log_softmax_kernel[(x.shape[0],)](x, y, x.shape[1], x.stride(0), x.stride(1),
-                                           BLOCK_N=triton.next_power_of_2(x.shape[1]))
+        y = log_softmax_forward(x)
         ctx.save_for_backward(y)
         return y
 
@@ -448,7 +484,8 @@ def test_check_log_softmax_accepts_a_correct_solution(capsys):
 
 
 def test_check_log_softmax_rejects_a_forward_without_the_max():
-    with pytest.raises(AssertionError, match="the output differs"):
+    # Row 0 is shifted up by 100: the sum of e^x overflows to inf in fp32, and x - log(inf) is -inf.
+    with pytest.raises(AssertionError, match=r"float32: the output: element \(0, \d+\) is -inf"):
         LESSON_02.check_log_softmax(lambda x: (x.float() - torch.exp(x.float()).sum(1, keepdim=True).log()).to(x.dtype))
 
 
@@ -461,7 +498,7 @@ def test_check_log_softmax_rejects_a_backward_that_ignores_the_gradient_strides(
             _log_softmax_backward_kernel[(y.shape[0],)](y, dy, dx, y.shape[1], BLOCK_N=block)  # dy as if contiguous
             return dx
 
-    with pytest.raises(AssertionError, match="the gradient differs"):
+    with pytest.raises(AssertionError, match=r"float32: the gradient: element \(\d+, \d+\) is "):
         LESSON_02.check_log_softmax(StrideBlind.apply)
 
 
@@ -487,8 +524,27 @@ def test_check_log_softmax_rejects_a_wrong_backward():
         def backward(ctx, dy):
             return dy  # forgets the softmax term
 
-    with pytest.raises(AssertionError, match="the gradient differs"):
+    with pytest.raises(AssertionError, match=r"float32: the gradient: element \(0, \d+\) is .*off by"):
         LESSON_02.check_log_softmax(Wrong.apply)
+
+
+def test_check_log_softmax_names_the_first_nan_of_the_gradient():
+    class SoftmaxWithoutTheMax(torch.autograd.Function):
+        """A right forward; a backward that recomputes the softmax from x without its maximum."""
+
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return log_softmax_forward(x)
+
+        @staticmethod
+        def backward(ctx, dy):
+            (x,) = ctx.saved_tensors
+            e, dy = torch.exp(x.float()), dy.float()  # row 0's e^100 is inf, and inf / inf NaN
+            return (dy - e / e.sum(1, keepdim=True) * dy.sum(1, keepdim=True)).to(x.dtype)
+
+    with pytest.raises(AssertionError, match=r"float32: the gradient: element \(0, \d+\) is nan, the float64"):
+        LESSON_02.check_log_softmax(SoftmaxWithoutTheMax.apply)
 
 
 @triton.jit

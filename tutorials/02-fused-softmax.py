@@ -669,12 +669,12 @@ if __name__ == "__main__":
 #
 # Exercises
 # ---------
-# Each exercise comes with a check: pass it your function and it runs it on fresh
-# random inputs of irregular shapes in fp32, fp16 and bf16 (and strided views, and a
-# strided ``dy`` for the gradient), checks that your function leaves its inputs as they
-# were, compares with a float64 reference with ``torch.testing.assert_close`` (so
-# ``NaN`` fails), and either raises ``AssertionError`` saying what is wrong or prints
-# one line saying the function passed. Solutions are not given here.
+# Each exercise comes with a check that runs your function on fresh random inputs of
+# irregular shapes in fp32, fp16 and bf16 (strided views, and a strided ``dy`` for the
+# gradient), checks that it leaves its inputs as they were and compares it with a
+# float64 reference, element by element (``NaN`` fails). It raises ``AssertionError``
+# naming the case, the first wrong element and how far off it is, or prints a line
+# saying the function passed. Solutions are not given here.
 #
 # Write each attempt in a new cell at the end of this lesson's notebook (linked at the
 # end of the page), below the checks, and call its check as the exercise shows; or in a
@@ -692,7 +692,10 @@ if __name__ == "__main__":
 #    row's length. Write ``masked_softmax(x, lengths)`` as a Triton kernel: ``x`` is
 #    (M, N), ``lengths`` an int32 tensor of M lengths between 1 and N; row ``i`` is the
 #    softmax of its first ``lengths[i]`` columns, and the columns past it are exactly 0.
-#    Check it with ``check_masked_softmax(masked_softmax)``.
+#    Check it with ``check_masked_softmax(masked_softmax)``. On a GPU the check also
+#    times it on one large fp16 input and prints its speed against a copy of ``x`` and
+#    this lesson's ``softmax``: a target to read, not a test to pass (hint: a masked
+#    load need not fetch the padding it masks off).
 # 2. **Log-softmax and its backward.** Write ``log_softmax(x)``,
 #    :math:`x_i - m - \log \sum_j e^{x_j - m}`, as a forward kernel and a backward
 #    kernel wired together with ``torch.autograd.Function``. Derive the backward the way
@@ -702,14 +705,15 @@ if __name__ == "__main__":
 
 
 def check_masked_softmax(fn):
-    """Check fn(x, lengths): the softmax of each row's first lengths[i] columns."""
-    name = "masked_softmax"
+    """Check fn(x, lengths): the softmax of each row's first lengths[i] columns, then
+    print its speed (masked_softmax_speed)."""
+    name, generator = "masked_softmax", kit.fresh_generator()
     for count, (case, leaf, view) in enumerate(kit.irregular_rows(scale=4), 1):
         x = view(leaf)
         M, N = x.shape
-        lengths = torch.randint(1, N + 1, (M,), device=DEVICE, dtype=torch.int32)
-        lengths[-1] = 1  # a one-element row and, where there is room, a full one
-        lengths[0] = N
+        lengths = torch.randint(1, N + 1, (M,), generator=generator, dtype=torch.int32)
+        lengths[-1], lengths[0] = 1, N  # a full row, a one-element row if M > 1
+        lengths = lengths.to(DEVICE)
         keep = torch.arange(N, device=DEVICE)[None, :] < lengths[:, None]
         if M > 1:  # padding can hold anything: a maximum over it would overflow
             x[-1, 1:] = 120
@@ -720,19 +724,46 @@ def check_masked_softmax(fn):
         kit.expect_unchanged(name, case, "lengths", lengths_before, lengths)
         tol = kit.TOLERANCE[x.dtype]
         kit.expect_close(name, case, "the output", y, expected, x.dtype, tol, tol / 100)
-        if (y[~keep] != 0).any():
+        stray = (y != 0) & ~keep  # within atol of 0 is not enough: it must be 0
+        if stray.any():
+            i, j = stray.nonzero()[0].tolist()
             raise AssertionError(
-                f"{name} on {case}: columns past a row's length must be exactly 0"
+                f"{name} on {case}: element ({i}, {j}), past row {i}'s length "
+                f"{lengths[i].item()}, is {y[i, j].item():.3g}; columns past a row's "
+                "length must be exactly 0"
             )
     print(
         f"{name} passed on {count} fresh inputs (irregular shapes, fp32/fp16/bf16, "
         "strided views)."
     )
+    print(masked_softmax_speed(fn))
+
+
+def masked_softmax_speed(fn, M=8192, N=1500):
+    """A line on fn(x, lengths)'s GPU time on fresh M x N fp16 inputs, against
+    copying x and this lesson's softmax of x: a target reported, not enforced."""
+    if not kit.ON_GPU:
+        return "masked_softmax: speed is measured only on a GPU."
+    generator = kit.fresh_generator()
+    x = torch.randn(M, N, generator=generator).to(DEVICE, torch.float16)
+    lengths = torch.randint(1, N + 1, (M,), generator=generator, dtype=torch.int32)
+    timers = {
+        "yours": kit.call_timer(fn, x, lengths.to(DEVICE)),
+        "softmax": kit.call_timer(softmax, x),
+        "copy": kit.call_timer(torch.empty_like(x).copy_, x),
+    }
+    ms = {key: min(m.gpu) for key, m in kit.time_calls(timers).items()}
+    return (
+        f"masked_softmax on {M}x{N} fp16, by GPU time (not enforced): "
+        f"{ms['copy'] / ms['yours']:.0%} of the speed of copying x (the target: "
+        "about 100% for reading x once and writing y once, more where it skips "
+        f"the padding) and {ms['softmax'] / ms['yours']:.2f}x this lesson's softmax."
+    )
 
 
 def check_log_softmax(fn):
     """Check fn(x) -> log_softmax(x) along rows, and its gradient."""
-    name = "log_softmax"
+    name, generator = "log_softmax", kit.fresh_generator()
     for count, (case, leaf, view) in enumerate(kit.irregular_rows(scale=4), 1):
         leaf.requires_grad_()
         x = view(leaf)
@@ -751,7 +782,7 @@ def check_log_softmax(fn):
                 "torch.autograd.Function"
             )
         # dy as autograd may hand it over: a transposed view, not contiguous.
-        dy = torch.randn(y.shape[::-1], device=DEVICE).to(y.dtype).t()
+        dy = torch.randn(y.shape[::-1], generator=generator).to(DEVICE, y.dtype).t()
         y.backward(dy)
         expected.backward(dy.double())
         if leaf.grad is None:
