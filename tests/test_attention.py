@@ -429,61 +429,28 @@ def test_compile_ahead_compiles_launches_nothing_and_ends_even_on_error(rng):
 # The exercises' checks: each must accept a correct answer and reject a known wrong one.
 
 
-def test_exercise_running_attention(capsys):
-    def right(q, k, v, scale):
-        m, l, o, rows = -math.inf, 0.0, torch.zeros_like(v[0]), []
-        for k_j, v_j in zip(k, v):
-            s = float(q @ k_j) * scale
-            m_new = max(m, s)
-            l_new = l * math.exp(m - m_new) + math.exp(s - m_new)
-            o = o * (l * math.exp(m - m_new) / l_new) + v_j * (math.exp(s - m_new) / l_new)
-            m, l = m_new, l_new
-            rows.append(o)
-        return torch.stack(rows)
-
-    V1.check_running_attention(right)  # in float32, the inputs' own dtype
-    assert "right after every key" in capsys.readouterr().out
-    with pytest.raises(AssertionError, match="shape"):  # the final output only
-        V1.check_running_attention(V1.one_row_attention)
-
-    def no_max(q, k, v, scale):
-        e = torch.exp(k @ q * scale)
-        return torch.cumsum(e[:, None] * v, 0) / torch.cumsum(e, 0)[:, None]
-
-    with pytest.raises(AssertionError, match="n="):  # e^s overflows on the rows with large scores
-        V1.check_running_attention(no_max)
-    with pytest.raises(AssertionError, match="n="):  # even in float64
-        V1.check_running_attention(lambda q, k, v, scale: no_max(q.double(), k.double(), v.double(), scale))
-    with pytest.raises(AssertionError, match="n="):  # a slightly wrong sum
-        V1.check_running_attention(lambda q, k, v, scale: right(q, k, v, scale) * 1.001)
-
-
-def test_exercise_merge():
-    def right(first, second):
-        (m1, l1, a1), (m2, l2, a2) = first, second
-        m = max(m1, m2)
-        return m, l1 * math.exp(m1 - m) + l2 * math.exp(m2 - m), a1 * math.exp(m1 - m) + a2 * math.exp(m2 - m)
-
-    V1.check_merge(right)
-    with pytest.raises(AssertionError):  # forgets to rescale to the common maximum
-        V1.check_merge(lambda first, second: (max(first[0], second[0]), first[1] + second[1], first[2] + second[2]))
-    with pytest.raises(AssertionError, match="m of the merged state"):  # a/l right, but not a state to merge again
-        V1.check_merge(lambda first, second: (0.0, 1.0, right(first, second)[2] / right(first, second)[1]))
-
-
-def test_exercise_causal_block_mask():
+def test_exercise_causal_block_mask(capsys):
     def right(start_m, start_n, block_m, block_n, n):
         rows = start_m + torch.arange(block_m)[:, None]
         keys = start_n + torch.arange(block_n)[None, :]
         return (keys <= rows) & (rows < n) & (keys < n)
 
     V2.check_causal_block_mask(right)
-    with pytest.raises(AssertionError, match="should be"):  # forgets the ragged end
+    assert "right on 50 random block pairs" in capsys.readouterr().out
+    first_wrong = r"causal_block_mask on start_m=\d+, .*, n=\d+: query \d+ and key \d+ should be (True|False); \d+ of"
+    with pytest.raises(AssertionError, match=first_wrong):  # forgets the ragged end
         V2.check_causal_block_mask(lambda sm, sn, bm, bn, n: (sn + torch.arange(bn)[None, :])
                                    <= (sm + torch.arange(bm)[:, None]))
+    with pytest.raises(AssertionError, match=first_wrong):  # the diagonal left out
+        V2.check_causal_block_mask(lambda sm, sn, bm, bn, n: right(sm, sn, bm, bn, n)
+                                   & (sn + torch.arange(bn)[None, :] != sm + torch.arange(bm)[:, None]))
+    with pytest.raises(AssertionError, match="should be a bool tensor of shape"):  # 0 and 1, not a mask
+        V2.check_causal_block_mask(lambda *args: right(*args).int())
+    with pytest.raises(AssertionError, match="causal_block_mask on .*should be"):  # queries and keys swapped
+        V2.check_causal_block_mask(lambda sm, sn, bm, bn, n: right(sn, sm, bn, bm, n))
 
 
-def test_exercise_one_row_backward():
+def test_exercise_one_row_backward(capsys):
     def right(q, K, V, do, scale):
         p = torch.softmax(K @ q * scale, dim=0)
         dV = torch.outer(p, do)
@@ -492,27 +459,43 @@ def test_exercise_one_row_backward():
         return scale * ds @ K, scale * torch.outer(ds, q), dV
 
     V2_BWD.check_one_row_backward(right)
-    with pytest.raises(AssertionError, match="dq"):  # forgets Delta
+    assert "matches autograd on 10 random rows" in capsys.readouterr().out
+    first_wrong = r"one_row_backward on N=\d+, D=\d+, scale=[\d.]+: {}: element .* off by"
+    with pytest.raises(AssertionError, match=first_wrong.format("dq")):  # forgets Delta
         V2_BWD.check_one_row_backward(lambda q, K, V, do, scale: (
             scale * (torch.softmax(K @ q * scale, 0) * (V @ do)) @ K, *right(q, K, V, do, scale)[1:]))
+    with pytest.raises(AssertionError, match=first_wrong.format("dK")):  # forgets the scale in dK
+        V2_BWD.check_one_row_backward(lambda q, K, V, do, scale: (
+            right(q, K, V, do, scale)[0], right(q, K, V, do, scale)[1] / scale, right(q, K, V, do, scale)[2]))
     with pytest.raises(AssertionError, match="three gradients"):  # zip would stop at the shorter answer
         V2_BWD.check_one_row_backward(lambda q, K, V, do, scale: right(q, K, V, do, scale)[:1])
+    # dV transposed: the wrong shape, or where N = D the wrong values
+    with pytest.raises(AssertionError, match=r"one_row_backward on N=\d+, D=\d+, scale=[\d.]+: dV"):
+        V2_BWD.check_one_row_backward(lambda *args: (*right(*args)[:2], right(*args)[2].T.clone()))
+    with pytest.raises(AssertionError, match=first_wrong.format("dq").replace("off by", "is nan")):
+        V2_BWD.check_one_row_backward(lambda *args: (right(*args)[0] * math.nan, *right(*args)[1:]))
 
 
-def test_exercise_dv_only():
+def test_exercise_dv_only(capsys):
     def right(q, k, v, do, lse, causal, sm_scale):
         v = v.double().requires_grad_()
         out = reference(q.double(), k.double(), v, causal, sm_scale)
         return torch.autograd.grad(out, v, do.double())[0].to(q.dtype)
 
     V2_BWD.check_dv_only(right)
-    with pytest.raises(AssertionError, match="causal=True: dV is off"):  # ignores the mask
+    out = capsys.readouterr().out
+    assert "dv_only matches" in out and (("yours takes" in out) if stepkit.ON_GPU else ("only on a GPU" in out))
+    with pytest.raises(AssertionError, match=r"causal=True: dV: element \(\d+, \d+, \d+, \d+\) is .* off by"):
         V2_BWD.check_dv_only(lambda q, k, v, do, lse, causal, sm_scale: right(q, k, v, do, lse, False, sm_scale))
-    with pytest.raises(AssertionError, match="dV is off"):  # dK in dV's place
+    with pytest.raises(AssertionError, match="dv_only on B, H, N, D = .*: dV: element"):  # dK in dV's place
         V2_BWD.check_dv_only(lambda q, k, v, do, lse, causal, sm_scale: V2_BWD.attention(
             *(t.requires_grad_() for t in (q, k, v)), causal, sm_scale).backward(do) or k.grad)
-    with pytest.raises(AssertionError, match="shape"):
+    with pytest.raises(AssertionError, match=r"dV should be a \(1, 2, 1, 16\) torch.float16 tensor, got NoneType"):
         V2_BWD.check_dv_only(lambda *args: None)
+    with pytest.raises(AssertionError, match="got .* torch.float32"):  # the fp32 accumulator, never cast back
+        V2_BWD.check_dv_only(lambda *args: right(*args).float())
+    with pytest.raises(AssertionError, match="dV: element .* is nan"):
+        V2_BWD.check_dv_only(lambda q, *args: torch.full_like(q, math.nan))
 
 
 def test_the_forward_lesson_has_the_same_forward_and_says_where_the_backward_is(rng):
@@ -523,22 +506,26 @@ def test_the_forward_lesson_has_the_same_forward_and_says_where_the_backward_is(
         out.sum().backward()
 
 
-def test_exercise_padded_attention():
-    def right(q, k, v, lengths, sm_scale):
+def test_exercise_padded_attention(capsys):
+    """Lesson 06's check is lesson 05's (test_attention_exercises.py runs both on Triton solutions)."""
+    def right(q, k, v, causal, sm_scale, lengths):
         keep = torch.arange(k.shape[2], device=k.device)[None, :] < lengths[:, None]  # (B, N)
         s = (q.float() @ k.float().transpose(-1, -2)) * sm_scale
         s = s.masked_fill(~keep[:, None, None, :], -math.inf)
+        if causal:
+            s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), -math.inf)
         return (torch.softmax(s, dim=-1) @ v.float()).to(q.dtype)
 
     V2.check_padded_attention(right)
-    with pytest.raises(AssertionError, match="key length"):  # ignores the lengths
-        V2.check_padded_attention(lambda q, k, v, lengths, sm_scale: V2.attention(q, k, v, False, sm_scale))
+    assert "padded_attention is right" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match=r"key lengths \d+, 1, \d+: the output: element"):  # ignores them
+        V2.check_padded_attention(lambda q, k, v, causal, sm_scale, lengths: V2.attention(q, k, v, causal, sm_scale))
 
-    def rewrites_lengths(q, k, v, lengths, sm_scale):
+    def rewrites_lengths(q, k, v, causal, sm_scale, lengths):
         lengths.fill_(k.shape[2])  # then ignores them: a check reading lengths afterwards would be fooled
-        return V2.attention(q, k, v, False, sm_scale)
+        return V2.attention(q, k, v, causal, sm_scale)
 
-    with pytest.raises(AssertionError, match="key length"):
+    with pytest.raises(AssertionError, match=r"key lengths \d+, 1, \d+: the output: element"):
         V2.check_padded_attention(rewrites_lengths)
 
 

@@ -49,6 +49,7 @@ You will learn:
 # Triton interpreter on the CPU, before the first ``@triton.jit``.
 
 import functools
+import itertools
 import math
 
 import torch
@@ -591,6 +592,17 @@ elif __name__ == "__main__":
 # %%
 # Exercises
 # ---------
+# Each exercise changes this lesson's kernels: copy them under new names (a copy named
+# ``attn_fwd_v1_kernel`` in the notebook would replace the lesson's) and edit the copy.
+# Each check runs your function on fresh random fp16 and bf16 inputs, causal and not,
+# at :math:`N` = 1, 77 and 130 (no block size divides the last two) and head dims 16
+# and 64, with ``q`` a transposed view; it compares with float64 and raises
+# ``AssertionError`` at the first wrong element, saying how far off (NaN is wrong), or
+# says that all is right; on a GPU it then prints how your kernel's time compares with
+# this lesson's (reported, not required). Compute in fp32 inside the kernel, as the
+# lesson's does (``UPCAST_DOT`` too): Triton 3.9's interpreter gets bf16 arithmetic
+# wrong.
+#
 # Write each attempt in a new cell at the end of this lesson's notebook (linked at the
 # end of the page), below the checks, and call its check as the exercise shows; or in a
 # file next to the lessons that loads this one first:
@@ -600,89 +612,162 @@ elif __name__ == "__main__":
 #    import stepkit as kit
 #
 #    L05 = kit.load_lesson("05-fused-attention-v1")
-#    # ... your running_attention(q, k, v, scale) ...
-#    L05.check_running_attention(running_attention)
+#    # ... your kernel, and attention_once(q, k, v, causal, sm_scale) ...
+#    L05.check_normalize_once(attention_once)  # in the notebook: check_normalize_once
 #
-# 1. **Normalized at every step.** ``one_row_attention`` keeps the unnormalized
-#    :math:`a`, as FlashAttention-2 does. Write ``running_attention(q, k, v, scale)``
-#    for one query row that keeps only the normalized output :math:`o`, as
-#    FlashAttention-1 does (see "From rows to blocks"), updated key by key with the
-#    factors :math:`\ell e^{m - m'} / \ell'` and :math:`e^{s_j - m'} / \ell'`, and
-#    returns an ``(n, d)`` tensor whose row :math:`j` is :math:`o` after key :math:`j`.
-#    Then run ``check_running_attention(running_attention)``: it tries 20 random rows,
-#    some with a score of 1,000 (past what :math:`e^s` can hold even in float64), allows
-#    for float32's rounding, and compares outputs only, so it cannot tell which update
-#    produced them.
-# 2. **Merge two partial states.** Split one query row's keys in two, anywhere; each
-#    gives a state :math:`(m, \ell, a)` as above. Write ``merge(state1, state2)``
-#    returning the state of all keys (their maximum, and sum and unnormalized output
-#    relative to it, so it can be merged again and ``a / l`` is the row's output), then
-#    ``check_merge(merge)``: the combine step of lesson 03, and of decoding kernels that
-#    split the keys.
+# 1. **Normalize once, at the end.** Write ``attention_once(q, k, v, causal,
+#    sm_scale)``, forward only, whose kernel keeps the unnormalized sum :math:`a` of
+#    ``one_row_attention`` in place of the normalized output: per key block, make the
+#    probabilities against the new maximum :math:`m'` and rescale :math:`a` and
+#    :math:`\ell` by :math:`e^{m - m'}`, no division; divide by :math:`\ell` once,
+#    after the loop. Check it with ``check_normalize_once(attention_once)``. One query
+#    row's scores pass 88, where :math:`e^s` overflows fp32. The check sees outputs
+#    only (this lesson's ``attention`` passes it too): the time on a GPU tells them
+#    apart.
+# 2. **A key-padding mask.** Sequences of different lengths are padded to one
+#    :math:`N`. Write ``padded_attention(q, k, v, causal, sm_scale, key_lengths)``,
+#    forward only, for ``key_lengths`` an integer tensor of shape ``(B,)`` on ``q``'s
+#    device: batch element ``b`` sees only its first ``key_lengths[b]`` keys, the others
+#    get probability zero. Hint: load the length once per program, beside ``b``, and
+#    let it end the loop. Every length is at least 1 (length 0 would leave query rows
+#    with no key to attend to, so the check never asks for it). Check it with
+#    ``check_padded_attention(padded_attention)``; on a GPU it times every length
+#    :math:`N/2` against ``attention`` at :math:`N`.
+# 3. **dQ by atomics.** The backward runs one program per (batch, head), and "Why the
+#    backward is slow" measured what that costs. Give it one program per key block and
+#    (batch, head): the outer loop's body becomes the program, and since several
+#    programs now add into the same rows of :math:`dQ`, its read-add-write becomes one
+#    ``tl.atomic_add``. Hint: subclass ``_AttentionV1`` and replace its ``backward``.
+#    Check ``attention_atomic_dq(q, k, v, causal, sm_scale)`` with
+#    ``check_atomic_dq(attention_atomic_dq)``. The interpreter runs one program at a
+#    time, so a plain read-add-write passes there; on a GPU it loses additions.
+
+# (B, H, N, D): one key; an odd length; 130, three key blocks of 64, the last ragged.
+CHECK_SHAPES = [(3, 1, 1, 16), (3, 1, 77, 64), (3, 2, 130, 16)]
+# Relative to the reference's largest value (at least 1), as in the correctness check.
+CHECK_TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 
-def random_row(gen, n_range, d_range, spread):
-    """A random query row q (d,), keys k (n, d) times spread and values v (n, d), for
-    n and d drawn from the ranges."""
-    n, d = (int(torch.randint(*r, (), generator=gen)) for r in (n_range, d_range))
-    q = torch.randn(d, generator=gen)
-    k = torch.randn(n, d, generator=gen) * spread
-    return q, k, torch.randn(n, d, generator=gen)
+def exercise_inputs(generator, peaked=True):
+    """Fresh (case, q, k, v, causal) at every shape of CHECK_SHAPES, fp16 and bf16,
+    causal and not, q a transposed view. peaked: query row N // 2 scaled by 60, so
+    that its scores reach about 150 (e^150 overflows fp32)."""
+    dtypes, modes = kit.ATTENTION_DTYPES, (False, True)
+    for (B, H, N, D), dtype, causal in itertools.product(CHECK_SHAPES, dtypes, modes):
+        q = torch.randn(B, N, H, D, generator=generator).transpose(1, 2)
+        k, v = (torch.randn(B, H, N, D, generator=generator) for _ in "kv")
+        if peaked:
+            q[:, :, N // 2] *= 60
+        name = f"B, H, N, D = {B}, {H}, {N}, {D}, {str(dtype)[6:]}, causal={causal}"
+        yield name, *(t.to(DEVICE, dtype) for t in (q, k, v)), causal
 
 
-def check_running_attention(fn):
-    """Your running attention against float64 softmax over each prefix of the keys,
-    on 20 random rows."""
-    gen = kit.fresh_generator()
-    for trial in range(20):
-        q, k, v = random_row(gen, (1, 60), (1, 33), 3)
-        n, d = k.shape
-        scale = float(torch.rand((), generator=gen)) + 0.1
-        if trial % 4 == 0:
-            # One key scores 1000: e^1000 overflows even float64 unless the maximum
-            # is subtracted.
-            k[n // 2] = q * (1000 / (scale * float(q @ q)))
-        s = k.double() @ q.double() * scale
-        want = torch.stack(
-            [torch.softmax(s[: j + 1], dim=0) @ v[: j + 1].double() for j in range(n)]
-        )
-        got = fn(q.clone(), k.clone(), v.clone(), scale)
-        if not isinstance(got, torch.Tensor) or tuple(got.shape) != (n, d):
-            shown = (tuple(got.shape) if isinstance(got, torch.Tensor)
-                     else type(got).__name__)
-            raise AssertionError(f"n={n}, d={d}: expected a tensor of shape {(n, d)}, "
-                                 f"one row per key, got {shown}")
-        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5,
-                                   msg=lambda m, n=n, d=d: f"n={n}, d={d}: {m}")
-    print("running attention is right after every key, on 20 random rows.")
+def expect_attention(exercise, case, what, got, want, dtype):
+    """kit.expect_close within CHECK_TOLERANCE of want's largest value."""
+    tol = CHECK_TOLERANCE[dtype]
+    atol = tol * max(1.0, want.abs().max().item())
+    kit.expect_close(exercise, case, what, got, want, dtype, tol, atol)
 
 
-def partial_state(q, k, v, scale):
-    """(m, l, a) of one query row over the keys k: running maximum, sum and
-    unnormalized output."""
-    s = k.double() @ q.double() * scale
-    m = s.max()
-    p = torch.exp(s - m)
-    return m, p.sum(), p @ v.double()
+def report_speed(what, timers):
+    """On a GPU, print how long timers()["yours"] takes beside timers()["lesson"], by
+    GPU time (kit.time_calls): reported, never required."""
+    if not kit.ON_GPU:
+        print(f"{what}: speed is measured only on a GPU.")
+        return
+    ms = {name: min(m.gpu) for name, m in kit.time_calls(timers()).items()}
+    print(f"{what}: yours takes {ms['yours'] / ms['lesson']:.2f}x the time of this "
+          "lesson's, by GPU time.")
 
 
-def check_merge(fn):
-    """Your merge against the state of all keys, on random splits whose parts' maxima
-    differ a lot."""
-    gen = kit.fresh_generator()
-    for trial in range(20):
-        q, k, v = random_row(gen, (2, 60), (1, 17), 5)
-        n = k.shape[0]
-        cut = int(torch.randint(1, n, (), generator=gen))
-        # The first part's maximum far above, or far below, the second's.
-        k[:cut] += 3 if trial % 2 else -3
-        want = partial_state(q, k, v, 0.5)
-        m, l, a = fn(partial_state(q, k[:cut], v[:cut], 0.5),
-                     partial_state(q, k[cut:], v[cut:], 0.5))
-        for name, g, w in zip("mla", (m, l, a), want):
-            torch.testing.assert_close(
-                torch.as_tensor(g, dtype=torch.float64), w, rtol=1e-6, atol=1e-9,
-                msg=lambda msg, n=n, cut=cut, name=name: (
-                    f"keys split {cut} + {n - cut}, {name} of the merged state: {msg}"),
-            )
-    print("merge combines partial states exactly, on 20 random splits.")
+def gpu_inputs(B=4, H=32, N=4096, D=64):
+    """q, k, v for the checks' timing: fp16, on the GPU."""
+    return [torch.randn(B, H, N, D, device=DEVICE, dtype=torch.float16) for _ in "qkv"]
+
+
+def check_normalize_once(fn):
+    """Exercise 1: fn(q, k, v, causal, sm_scale) must return attention, in q's
+    dtype."""
+    for case, q, k, v, causal in exercise_inputs(kit.fresh_generator()):
+        D = q.shape[-1]
+        want = kit.reference_attention(q.double(), k.double(), v.double(), causal,
+                                       D**-0.5)
+        got = fn(q, k, v, causal, D**-0.5)
+        expect_attention("attention_once", case, "the output", got, want, q.dtype)
+    print("attention_once is right at every shape, dtype and masking.")
+
+    def timers():
+        q, k, v = gpu_inputs()
+        return {"yours": kit.call_timer(fn, q, k, v, False, 0.125),
+                "lesson": kit.call_timer(attention, q, k, v, False, 0.125)}
+
+    report_speed("Forward, B, H, N, D = 4, 32, 4096, 64, fp16, non-causal", timers)
+
+
+def check_padded_attention(fn, lesson_attention=attention):
+    """Exercise 2: fn(q, k, v, causal, sm_scale, key_lengths) must return attention
+    over each batch element's first key_lengths[b] keys, in q's dtype. Lesson 06's
+    check is this one, timed against lesson_attention, its own."""
+    generator = kit.fresh_generator()
+    for case, q, k, v, causal in exercise_inputs(generator):
+        B, _, N, D = q.shape
+        middle = int(torch.randint(2, N, (), generator=generator)) if N > 2 else N
+        while middle % 16 == 0:  # no block size divides it
+            middle -= 1
+        lengths = torch.tensor([N, 1, middle][:B], device=DEVICE)
+        padded = torch.arange(N, device=DEVICE) >= lengths[:, None]  # (B, keys)
+        s = q.double() @ k.double().transpose(-1, -2) * D**-0.5
+        s = s.masked_fill(padded[:, None, None, :], -float("inf"))
+        if causal:
+            above = torch.ones(N, N, dtype=torch.bool, device=DEVICE).triu(1)
+            s = s.masked_fill(above, -float("inf"))
+        want = torch.softmax(s, dim=-1) @ v.double()
+        case += f", key lengths {', '.join(map(str, lengths.tolist()))}"
+        got = fn(q, k, v, causal, D**-0.5, lengths)
+        expect_attention("padded_attention", case, "the output", got, want, q.dtype)
+    print("padded_attention is right at every shape, dtype, masking and key length.")
+
+    def timers():
+        q, k, v = gpu_inputs()
+        lengths = torch.full((4,), 2048, device=DEVICE)
+        return {"yours": kit.call_timer(fn, q, k, v, False, 0.125, lengths),
+                "lesson": kit.call_timer(lesson_attention, q, k, v, False, 0.125)}
+
+    report_speed("Forward, B, H, N, D = 4, 32, 4096, 64, fp16, non-causal, every key "
+                 "length 2048 (yours) against all 4096 keys (the lesson's; a loop "
+                 "that stops at the length: about 0.5x)", timers)
+
+
+def check_atomic_dq(fn):
+    """Exercise 3: fn(q, k, v, causal, sm_scale) must return attention that autograd
+    differentiates, each gradient in its input's dtype."""
+    generator = kit.fresh_generator()
+    # Not peaked: rounding O to fp16 costs dK precision there, in this lesson's
+    # backward too.
+    for case, q, k, v, causal in exercise_inputs(generator, peaked=False):
+        D = q.shape[-1]
+        leaves = [t.double().requires_grad_() for t in (q, k, v)]
+        want = kit.reference_attention(*leaves, causal, D**-0.5)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = fn(q, k, v, causal, D**-0.5)
+        expect_attention("attention_atomic_dq", case, "the output", out, want, q.dtype)
+        if out.grad_fn is None:
+            raise AssertionError(f"attention_atomic_dq on {case}: the output has no "
+                                 "gradient; return what your Function's apply returns")
+        do = torch.randn(out.shape, generator=generator).to(DEVICE, out.dtype)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+        wanted = torch.autograd.grad(want, leaves, do.double())
+        for what, got, expected in zip(("dq", "dk", "dv"), grads, wanted):
+            expect_attention("attention_atomic_dq", case, what, got, expected, q.dtype)
+    print("attention_atomic_dq's gradients are right at every shape, dtype and "
+          "masking.")
+
+    def timers():
+        q, k, v = (t.requires_grad_() for t in gpu_inputs(N=2048))
+        return {
+            "yours": kit.backward_timer(lambda *qkv: fn(*qkv, False, 0.125), q, k, v),
+            "lesson": kit.backward_timer(attention, q, k, v, causal=False,
+                                         sm_scale=0.125),
+        }
+
+    report_speed("Backward, B, H, N, D = 4, 32, 2048, 64, fp16, non-causal", timers)

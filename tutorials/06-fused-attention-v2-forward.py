@@ -26,7 +26,7 @@ You will learn:
 
 This lesson needs ``stepkit.py``, ``tuned_tables.json`` and ``05-fused-attention-v1.py``
 next to it (the site's zip of all lessons has them): the shared module, the tile table,
-and the v1 kernel that the benchmark compares.
+and lesson 05, whose kernel the benchmark compares and whose check exercise 2 uses.
 """
 
 # %%
@@ -54,39 +54,33 @@ V1 = kit.load_lesson("05-fused-attention-v1")  # its kernel, compared below
 # -----------------------------
 # * **The loop order, and a grid over the sequence: already in lesson 05.** The
 #   FlashAttention paper's Algorithm 1 loops over key/value blocks outside and query
-#   blocks inside, so it reads and writes :math:`O`, :math:`m` and :math:`\ell` in
-#   memory at every step, and its kernel runs one program per (batch, head).
-#   FlashAttention-2's main forward change (its sections 3.1 and 3.2) swaps the loops:
-#   one program per query block walks the key blocks with :math:`O`, :math:`m` and
-#   :math:`\ell` in registers, and the grid spans the sequence as well as batch and
-#   heads, enough programs to fill a GPU at small batches. Triton's 2022 kernel of
-#   lesson 05 already runs that way, so against lesson 05 v2 changes what follows:
-#   fewer operations outside the matrix products, one saved number per row (the
-#   log-sum-exp, not :math:`m` and :math:`\ell`), fewer masks.
+#   blocks inside, reading and writing :math:`O`, :math:`m` and :math:`\ell` in memory
+#   at every step, one program per (batch, head). FlashAttention-2 (its sections 3.1
+#   and 3.2) swaps the loops: one program per query block walks the key blocks with
+#   :math:`O`, :math:`m` and :math:`\ell` in registers, on a grid over the sequence as
+#   well as batch and heads, enough programs to fill a GPU at small batches. Lesson
+#   05's kernel already runs that way; against it, v2 changes what follows: fewer
+#   operations outside the matrix products, one saved number per row, fewer masks.
 # * **Normalize once, at the end.** v1 kept its accumulator normalized: at every key
-#   block it computed two per-row factors (each with a division by the new running sum)
-#   and multiplied the whole accumulator and the whole probability tile by them. v2
-#   keeps the *unnormalized* sum :math:`a = \sum_j e^{s_j - m} v_j` and divides by
-#   :math:`\ell` once after the loop. Inside the loop only the rescaling of the
-#   accumulator by :math:`e^{m - m'}` remains: one multiplication per accumulator
-#   element per block, and none on the probabilities: the paper's "fewer non-matmul
-#   FLOPs" (its section 3.1), a change from Algorithm 1 and lesson 05 alike.
+#   block, two per-row factors (each with a division by the new running sum) multiplied
+#   the whole accumulator and the whole probability tile. v2 keeps the *unnormalized*
+#   sum :math:`a = \sum_j e^{s_j - m} v_j` and divides by :math:`\ell` once, after the
+#   loop. Inside it only the rescaling by :math:`e^{m - m'}` remains, one multiplication
+#   per accumulator element per block and none on the probabilities: the paper's
+#   "fewer non-matmul FLOPs" (its section 3.1), and lesson 05's first exercise.
 # * **exp2, with** :math:`\log_2 e` **folded into the scale.** The scores are multiplied
 #   by ``sm_scale`` anyway; multiplying by ``sm_scale * log2(e)`` instead makes every
 #   exponential a bare ``exp2``, one hardware instruction, and saves the multiplication
 #   by :math:`\log_2 e` that ``tl.exp`` performs before its own ``exp2``. For the
-#   backward, the forward saves :math:`\mathrm{LSE}_2 = m + \log_2 \ell` per row, in the
-#   same base-2 units.
-# * **Parallel over the sequence in the backward too.** v1's backward ran one program
-#   per (batch, head); v2's runs one per block of keys. That is the next lesson's
-#   subject.
+#   backward it saves :math:`\mathrm{LSE}_2 = m + \log_2 \ell` per row, in base 2.
+# * **Parallel over the sequence in the backward too**: one program per key block, not
+#   per (batch, head) as in v1. That is the next lesson's subject.
 # * **A mask only where one is needed.** v1 already stopped a query block at the
-#   diagonal, skipping the key blocks above it (causal attention does about half the
-#   work; more than half at short lengths, where the diagonal's blocks weigh more), but
-#   it masked every block it computed. v2 masks only the blocks that the diagonal
-#   crosses and the ragged last block; the key blocks entirely below the diagonal are
-#   fully visible and run a loop compiled without any mask. The grid below, drawn by
-#   this lesson's own code, shows which is which for a small case.
+#   diagonal (causal attention does about half the work; more than half at short
+#   lengths, where the diagonal's blocks weigh more) but masked every block it
+#   computed. v2 masks only the blocks that the diagonal crosses and the ragged last
+#   block; the key blocks entirely below the diagonal run a loop compiled without any
+#   mask. The grid below, drawn by this lesson's own code, shows which is which.
 
 LOG2E = 1.4426950408889634
 
@@ -274,20 +268,18 @@ def attn_fwd_kernel(
 # Tuning once, not at every build
 # -------------------------------
 # The best tile sizes depend on the GPU, the head dimension, the masking and the
-# sequence length. ``triton.autotune`` would find them by timing every candidate the
-# first time it meets a case, which costs each build minutes of compiling and timing,
-# and costs each call of an autotuned kernel some host time to look its case up. This
-# lesson measures instead once, offline: ``python tools/tune.py attention`` (in this
-# repository) times every candidate below on a GPU, for each head dimension, masking
-# and sequence length of the benchmark, and writes the winners, with the GPU and
-# versions that produced them, into the table "attention-tiles" of
-# ``tuned_tables.json`` beside the lessons: a row per kernel, head dimension, masking
-# and sequence-length bucket. On a GPU of that architecture the launchers take the
-# configuration from the table (a sequence length between two measured ones takes its
-# power-of-two bucket, one outside them the nearest bucket). Anywhere else the
-# autotuner picks from the same candidates, keyed on the head dimension, the causal
-# flag and the sequence length rounded up to a power of two, so that it tunes once per
-# bucket rather than once per length.
+# sequence length. ``triton.autotune`` would time every candidate the first time it
+# meets a case, costing each build minutes of compiling and timing, and each call some
+# host time to look its case up. This lesson measures once, offline, instead:
+# ``python tools/tune.py attention`` (in this repository) times every candidate below
+# on a GPU, for each head dimension, masking and sequence length of the benchmark, and
+# writes the winners, with the GPU and versions that produced them, into the table
+# "attention-tiles" of ``tuned_tables.json`` beside the lessons: a row per kernel, head
+# dimension, masking and sequence-length bucket. On a GPU of that architecture the
+# launchers take the configuration from the table (a length between two measured ones
+# takes its power-of-two bucket, one outside them the nearest bucket). Anywhere else
+# the autotuner picks from the same candidates, keyed on the head dimension, the causal
+# flag and the length rounded up to a power of two: once per bucket, not per length.
 #
 # The sweep compares tiles by the kernel's own time on the GPU, read from the CUDA
 # profiler, not by the time of a whole call: every tile of one kernel costs the host
@@ -296,13 +288,12 @@ def attn_fwd_kernel(
 #
 # Candidates that cannot work are never compiled: tiles that break the causal split,
 # and pipelines whose buffered key and value tiles (``num_stages x 2 x BLOCK_N x D``
-# elements) would not fit in the SM's shared memory. The best two or three
-# configurations are often within a few percent of each other, about the GPU's
-# run-to-run noise, and every distinct configuration a build runs is one more
-# compilation. So the sweep treats configurations within 3% of a length's fastest as
-# tied, and among tied ones keeps as few distinct configurations per kernel, head
-# dimension and masking as it can ("Which tiles ran", below, counts them). Under the
-# interpreter there is nothing to tune, and one configuration runs.
+# elements) would not fit in the SM's shared memory. The best two or three candidates
+# are often within a few percent of each other, about the GPU's run-to-run noise, and
+# every distinct configuration a build runs is one more compilation. So the sweep
+# treats configurations within 3% of a length's fastest as tied, and among tied ones
+# keeps as few distinct configurations per kernel, head dimension and masking as it
+# can ("Which tiles ran", below, counts them). The interpreter runs one, untuned.
 #
 # One table holds the tiles of all four kernels of FlashAttention-2, since one sweep
 # measures them together: this lesson's forward (``fwd``) and the three kernels of the
@@ -644,8 +635,8 @@ kit.rates_table(results, INDEX, "TFLOP/s") if __name__ == "__main__" else None
 # %%
 # Reading the numbers
 # -------------------
-# Computed from the table above, in this run: v2 against the strongest PyTorch backend
-# (cuDNN where it runs) and against v1, by GPU time, and back to back where that tells
+# Computed from the table above, in this run: v2 against the fastest PyTorch peer
+# (cuDNN or flash) and against v1, by GPU time, and back to back where that tells
 # another story; then how far the repeated timings spread, the yardstick for which
 # differences mean anything.
 
@@ -737,8 +728,8 @@ choices if __name__ == "__main__" and not choices.empty else None
 # Exercises
 # ---------
 # Each exercise comes with a check: call it on your function, and it compares your
-# answer with a float64 reference on fresh random inputs, and says what is wrong or
-# that you got it right.
+# answer with a float64 reference on fresh random inputs, raising ``AssertionError``
+# at the first wrong element, or prints one line when all is right.
 #
 # Write each attempt in a new cell at the end of this lesson's notebook (linked at the
 # end of the page), below the checks, and call its check as the exercise shows; or in a
@@ -753,18 +744,20 @@ choices if __name__ == "__main__" and not choices.empty else None
 #    L06.check_causal_block_mask(causal_block_mask)
 #
 # 1. **The mask of one block pair.** Write ``causal_block_mask(start_m, start_n,
-#    block_m, block_n, n)``: a ``(block_m, block_n)`` boolean tensor that is True where
-#    query ``start_m + i`` may see key ``start_n + j`` under causal masking, and both
-#    exist (index below ``n``). Then ``check_causal_block_mask(causal_block_mask)``.
-#    Compare your answer with ``block_kinds``: a pair whose mask is all True needs no
-#    mask in the kernel. (``block_kinds`` looks at keys only: a query row past ``n``
-#    needs no mask inside the loop, since its loads read zeros and its store is
-#    masked.)
-# 2. **A key-padding mask.** Batches often hold sequences of different lengths, padded
-#    to one ``N``. Write ``padded_attention(q, k, v, key_lengths, sm_scale)`` in which
-#    batch ``b`` sees only its first ``key_lengths[b]`` keys (at least 1), forward only,
-#    by giving the forward kernel one more argument. Then
-#    ``check_padded_attention(padded_attention)``.
+#    block_m, block_n, n)``: a ``(block_m, block_n)`` boolean tensor, True where query
+#    ``start_m + i`` may see key ``start_n + j`` under causal masking and both exist
+#    (index below ``n``). Then ``check_causal_block_mask(causal_block_mask)``. Compare
+#    with ``block_kinds``: a pair whose mask is all True needs no mask in the kernel
+#    (``block_kinds`` looks at keys only: a query row past ``n`` needs no mask inside
+#    the loop, since its loads read zeros and its store is masked).
+# 2. **A key-padding mask, in the split loops.** Lesson 05's exercise 2 in this kernel:
+#    ``padded_attention(q, k, v, causal, sm_scale, key_lengths)``, forward only, where
+#    batch element ``b`` sees only its first ``key_lengths[b]`` keys (at least 1). The
+#    unmasked loop must now end at the last whole key block below the length, not below
+#    :math:`N`, and the masked one at the length (hint: ``_attn_fwd_inner`` masks the
+#    keys at and past its argument ``N``). Check it with
+#    ``check_padded_attention(padded_attention)``: lesson 05's check, timing on a GPU
+#    every length :math:`N/2` against this lesson's ``attention`` at :math:`N`.
 
 
 def check_causal_block_mask(fn):
@@ -783,33 +776,22 @@ def check_causal_block_mask(fn):
         keys = start_n + torch.arange(block_n)[None, :]
         want = (keys <= rows) & (rows < n) & (keys < n)
         got = torch.as_tensor(fn(start_m, start_n, block_m, block_n, n)).to("cpu")
-        case = f"start_m={start_m}, start_n={start_n}, block {block_m}x{block_n}, n={n}"
+        case = (f"causal_block_mask on start_m={start_m}, start_n={start_n}, block "
+                f"{block_m}x{block_n}, n={n}")
         if got.shape != want.shape or got.dtype != torch.bool:
             shown = f"{got.dtype} {tuple(got.shape)}"
-            raise AssertionError(f"{case}: expected a bool tensor of shape "
+            raise AssertionError(f"{case}: should be a bool tensor of shape "
                                  f"{tuple(want.shape)}, got {shown}")
-        if not torch.equal(got, want):
-            i, j = (got != want).nonzero()[0].tolist()
+        wrong = got != want
+        if wrong.any():
+            i, j = wrong.nonzero()[0].tolist()
             raise AssertionError(f"{case}: query {start_m + i} and key {start_n + j} "
-                                 f"should be {bool(want[i, j])}")
+                                 f"should be {bool(want[i, j])}; {wrong.sum()} of "
+                                 f"{wrong.numel()} elements are wrong")
     print("causal_block_mask is right on 50 random block pairs.")
 
 
 def check_padded_attention(fn):
-    """Your padded_attention against float64 attention on the unpadded keys of each
-    batch."""
-    q, k, v = (torch.randn(3, 2, 77, 32, device=DEVICE).half() for _ in range(3))
-    lengths = torch.tensor([77, 1, 40], device=DEVICE)
-    # Copies: an answer that rewrote its inputs in place would fool the reference.
-    out = fn(q.clone(), k.clone(), v.clone(), lengths.clone(), 32**-0.5)
-    if not isinstance(out, torch.Tensor) or out.shape != q.shape:
-        shape = tuple(q.shape)
-        raise AssertionError(f"padded_attention must return a tensor of shape {shape}")
-    for b, n in enumerate(lengths.tolist()):
-        qb, kb, vb = q[b].double(), k[b, :, :n].double(), v[b, :, :n].double()
-        want = kit.reference_attention(qb, kb, vb, False, 32**-0.5)
-        torch.testing.assert_close(
-            out[b].double(), want, rtol=1e-2, atol=1e-2,
-            msg=lambda m, b=b, n=n: f"batch {b} (key length {n}) is off: {m}")
-    print("padded_attention is right for key lengths "
-          + ", ".join(map(str, lengths.tolist())) + ".")
+    """Your padded_attention through lesson 05's check (its inputs, float64 reference
+    and messages), timed on a GPU against this lesson's attention."""
+    V1.check_padded_attention(fn, attention)
