@@ -710,7 +710,7 @@ def against_portable(results, peak, portable_name):
         ratio = part[ours] / part[peers].max(axis=1)
         line = (f"D={D:3d} {'causal    ' if causal else 'non-causal'}: "
                 f"{'Gluon' if ours == WS else portable_name} is {ratio.min():.2f}x "
-                f"to {_below_one(ratio.max())} the fastest SDPA backend")
+                f"to {_below_one(ratio.max())} the fastest PyTorch peer")
         if ours == WS:
             portable = part[WS] / part[PORTABLE]
             line += (f" and {portable.min():.2f}x to {portable.max():.2f}x "
@@ -735,7 +735,7 @@ def default_path(results, provider_of, peers, paths):
             ratio.append(gpu.loc[case, name] / gpu.loc[case, peers].max())
             fastest += b2b.loc[case, name] >= b2b.loc[case, candidates].max()
     print(f"The default path ({paths}'s choice at each case) ran at "
-          f"{min(ratio):.2f}x to {_below_one(max(ratio))} the fastest SDPA backend "
+          f"{min(ratio):.2f}x to {_below_one(max(ratio))} the fastest PyTorch peer "
           f"{BY}, at or above it at {sum(r >= 1 for r in ratio)} of {len(ratio)} "
           f"cases; back to back, its choice was the fastest of {', '.join(candidates)} "
           f"in this run at {fastest} of {len(rows)} cases.")

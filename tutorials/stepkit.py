@@ -1045,10 +1045,114 @@ def compile_ahead(calls):
 
 # -- Attention: peers and the benchmark -----------------------------------------
 
+FLEX = "FlexAttention"
+# torch.compile compiles FlexAttention once per shape (dynamic=False, as PyTorch's
+# own FlexAttention benchmark does) and by default keeps 8 shapes of a function;
+# past its limit it would run flex_attention eagerly, scores materialized. A
+# benchmark's shapes (2 head dims x causal or not x 5 lengths) fit under this one.
+FLEX_RECOMPILE_LIMIT = 64
+
+
+def flex_attention_missing():
+    """Why this PyTorch cannot time FlexAttention, or None where it can."""
+    try:
+        import torch._dynamo
+        import torch.nn.attention.flex_attention  # noqa: F401
+        from torch._dynamo.exc import FailOnRecompileLimitHit  # noqa: F401
+    except ImportError as error:
+        return f"PyTorch {torch.__version__} cannot import it ({error})"
+    if not hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
+        return (
+            f"PyTorch {torch.__version__} has no fail_on_recompile_limit_hit, "
+            "without which FlexAttention could fall back to eager unnoticed"
+        )
+    return None
+
+
+def _causal_mask(batch, head, q_idx, kv_idx):
+    """FlexAttention's mask_mod of causal attention: a query sees the keys up to
+    its own position."""
+    return q_idx >= kv_idx
+
+
+@functools.cache
+def _causal_block_mask(q_len, kv_len, device):
+    """The causal BlockMask for these lengths on device, built the first time a
+    case calls for it (outside any timing) and kept: B and H None, so one mask
+    serves every batch and head. FlexAttention skips the blocks it marks empty."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(_causal_mask, None, None, q_len, kv_len, device=device)
+
+
+@functools.cache
+def _compiled_flex_attention():
+    """torch.compile(flex_attention), made once: one graph or an error
+    (fullgraph), compiled for each shape (dynamic=False)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False, fullgraph=True)
+
+
+@contextlib.contextmanager
+def flex_settings():
+    """FlexAttention's context, outside the timed region: room under
+    torch.compile's recompile limit for a benchmark's shapes, an error past it
+    (not a silent eager fallback), and no donated buffers, which a backward
+    replayed with retain_graph=True (backward_timer) does not allow."""
+    import torch._dynamo
+    import torch._functorch.config
+
+    with (
+        torch._dynamo.config.patch(
+            recompile_limit=FLEX_RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True
+        ),
+        torch._functorch.config.patch(donated_buffer=False),
+    ):
+        yield
+
+
+def _flex_provider(causal, scale, compiled):
+    """FlexAttention as fn(q, k, v): compiled, PyTorch's generated Triton kernel,
+    or eager (fn.compiled says which), which materializes the scores. Causal
+    through a block mask, non-causal with none. Where this PyTorch cannot time
+    it, fn raises RuntimeError and fn.missing says why."""
+    missing = flex_attention_missing()
+    if missing is not None:
+
+        def unavailable(q, k, v):
+            raise RuntimeError(f"{FLEX}: {missing}")
+
+        unavailable.missing = missing
+        return unavailable
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+    from torch.nn.attention.flex_attention import flex_attention
+
+    attend = _compiled_flex_attention() if compiled else flex_attention
+
+    def flex(q, k, v):
+        mask = (
+            _causal_block_mask(q.shape[-2], k.shape[-2], q.device) if causal else None
+        )
+        try:
+            return attend(q, k, v, block_mask=mask, scale=scale)
+        except FailOnRecompileLimitHit as error:  # measure() reports a RuntimeError
+            raise RuntimeError(
+                f"{FLEX}: torch.compile reached its recompile limit; past it "
+                "FlexAttention would run eagerly (enter fn.context() around the "
+                f"calls for room for {FLEX_RECOMPILE_LIMIT} shapes)"
+            ) from error
+
+    flex.context, flex.compiled = flex_settings, compiled
+    return flex
+
 
 def sdpa_providers(causal, scale, backends):
-    """{name: fn(q, k, v)} for each named SDPA backend, called as users call
-    it; fn.context selects the backend, outside the timed region."""
+    """{name: fn(q, k, v)} for each named peer, called as users call it: an SDPA
+    backend ("SDPA cuDNN", "SDPA flash", "SDPA mem-efficient", "SDPA math") or FLEX
+    (FlexAttention: compiled on a GPU; eager on the CPU, where no page times it
+    and tests check its plumbing). fn.context, entered outside the timed region,
+    selects the SDPA backend, or holds FlexAttention's settings (flex_settings)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention
 
@@ -1058,8 +1162,18 @@ def sdpa_providers(causal, scale, backends):
         "SDPA mem-efficient": SDPBackend.EFFICIENT_ATTENTION,
         "SDPA math": SDPBackend.MATH,
     }
+    if isinstance(backends, str):
+        raise TypeError(
+            f"backends must be a list of names, got the string {backends!r}"
+        )
+    for name in backends:
+        if name not in (*ids, FLEX):
+            raise ValueError(f"unknown peer {name!r}: one of {', '.join((*ids, FLEX))}")
     providers = {}
     for name in backends:
+        if name == FLEX:
+            providers[name] = _flex_provider(causal, scale, compiled=ON_GPU)
+            continue
         fn = functools.partial(
             scaled_dot_product_attention, is_causal=causal, scale=scale
         )
@@ -1073,6 +1187,7 @@ SDPA_PEERS = (
     ("SDPA cuDNN", "SDPA flash", "SDPA mem-efficient") if ON_GPU else ("SDPA math",)
 )
 # The strongest peers, the ones the FlashAttention-2 and Hopper lessons race.
+# FlexAttention joins them once its compile time in a build is measured (issue 42).
 FAST_PEERS = ("SDPA cuDNN", "SDPA flash") if ON_GPU else ("SDPA math",)
 
 
@@ -1094,7 +1209,11 @@ def attention_benchmark(cases, sizes, providers, modes, extra_providers=None):
     """Rows of TFLOP/s: every provider of providers(causal, D) in each mode, at
     every case (B, H, D), causal or not, and size, and any {(provider, mode):
     Timer} that extra_providers(q, k, v, causal, D) adds. Everything is compiled
-    ahead first, then timed in passes (measure)."""
+    ahead first, then timed in passes (measure). A provider with a `missing`
+    reason (FlexAttention where PyTorch cannot time it) is left out, and the
+    reason printed once. The compile pass also compiles FlexAttention, one graph
+    per shape, and prints how much of the pass that took."""
+    left_out, flex_seconds = {}, 0.0
 
     def each_case():
         for (B, H, D), causal, N in itertools.product(cases, (False, True), sizes):
@@ -1104,28 +1223,34 @@ def attention_benchmark(cases, sizes, providers, modes, extra_providers=None):
                 )
                 for _ in range(3)
             )
-            timers = {
-                (name, mode): (
-                    call_timer(fn, q, k, v)
-                    if mode == "fwd"
-                    else backward_timer(fn, q, k, v)
-                )
-                for name, fn in providers(causal, D).items()
-                for mode in modes
-            }
+            timers = {}
+            for name, fn in providers(causal, D).items():
+                if getattr(fn, "missing", None):
+                    left_out[name] = fn.missing
+                    continue
+                for mode in modes:
+                    timers[name, mode] = (
+                        call_timer(fn, q, k, v)
+                        if mode == "fwd"
+                        else backward_timer(fn, q, k, v)
+                    )
             if extra_providers is not None:
                 timers.update(extra_providers(q, k, v, causal, D))
             yield (B, H, D, causal, N), f"D={D}, N={N}, causal={causal}", timers
             del q, k, v, timers
 
     def call_each_once():
+        nonlocal flex_seconds
         for _, _, timers in each_case():
-            for timer in timers.values():
+            for key, timer in timers.items():
+                start = time.perf_counter()
                 try:
                     with timer.context():
                         timer.make()()
                 except RuntimeError:  # a backend that cannot run this case
                     pass
+                if key[0] == FLEX:
+                    flex_seconds += time.perf_counter() - start
 
     kernels, seconds = compile_ahead(call_each_once)
     if kernels and round(seconds, 1) > 0:  # not where Triton's cache held them all
@@ -1133,12 +1258,16 @@ def attention_benchmark(cases, sizes, providers, modes, extra_providers=None):
             f"Compiled ahead: {kernels} kernels on "
             f"{len(os.sched_getaffinity(0))} threads in {seconds:.1f} s"
         )
+    if round(flex_seconds, 1) > 0:
+        print(f"{FLEX}'s torch.compile: {flex_seconds:.1f} s of the pass")
     rows = []
     for ((B, H, D, causal, N), (name, mode)), m in measure(each_case).items():
         work = attention_flops(B, H, N, D, causal, mode) * 1e-9  # TFLOP per ms
         rows.append(
             dict(D=D, causal=causal, N=N, mode=mode, provider=name, **m.row(work))
         )
+    for name, reason in left_out.items():
+        print(f"{name} left out: {reason}")
     return rows
 
 
@@ -1336,7 +1465,7 @@ def peer_lines(table, b2b, peak, ours, peers, versus=None, name="ours"):
         ratio = part[ours] / part[list(peers)].max(axis=1)
         line = (
             f"D={D:3d} {'causal    ' if causal else 'non-causal'} {mode}: {name} is "
-            f"{ratio.min():.2f}x to {ratio.max():.2f}x the fastest SDPA backend, "
+            f"{ratio.min():.2f}x to {ratio.max():.2f}x the fastest PyTorch peer, "
             f"up to {part[ours].max() / peak:.0%} of the matmul rate"
         )
         if versus is not None and versus in part:
