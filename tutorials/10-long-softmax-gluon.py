@@ -4,11 +4,9 @@ Hopper: long softmax rows in shared memory, in Gluon
 
 Lesson 03's split-row softmax reads each element of a long row once, yet in bf16 it can
 stay further from the copy bandwidth than in fp32 (its section "Registers and bytes in
-flight, by dtype" prints at which lengths it did) and that section says why: each
-program holds its chunk of the row in registers, as fp32 values, until the row's
-statistics arrive, so fewer programs fit on an SM and less of the row is held on chip.
-This lesson keeps the chunk in shared memory instead, as the 16-bit values that were
-read, something Triton does not let a program ask for and Gluon does.
+flight, by dtype"): each program holds its chunk in registers, as fp32, until the row's
+statistics arrive, so fewer programs fit on an SM. This lesson keeps the chunk in
+shared memory instead, as the 16-bit values read, which Gluon allows and Triton not.
 
 Previous lesson: :doc:`07-fused-attention-v2-backward`, the last of the portable path;
 next: :doc:`11-hopper-forward-gluon`. This one builds on :doc:`03-long-softmax`, its
@@ -34,10 +32,9 @@ You will learn:
   sizes, and what else counts.
 
 This lesson needs ``03-long-softmax.py`` and ``02-fused-softmax.py`` next to it (the
-site's zip of all lessons has them): it reuses their launch code and backward pass, and
-where Gluon cannot run (a CPU, or a GPU other than Hopper) its ``long_softmax`` runs
-lesson 03's. On such a machine this page shows the design and says why the kernel did
-not run.
+site's zip of all lessons has them) for their launch code and backward pass; where Gluon
+cannot run (a CPU, or a GPU other than Hopper) its ``long_softmax`` runs lesson 03's,
+and this page shows the design and says why the kernel did not run.
 """
 
 # %%
