@@ -25,9 +25,8 @@ You will learn:
   this row leaves;
 * a pitfall: read the same shared memory twice and the compiler may keep the first
   read's values in registers; a barrier between the reads stops it;
-* how many programs fit on an SM at once (registers, threads, shared memory, and the
-  1 KiB that CUDA reserves per program), and why a kernel whose programs wait for each
-  other must not count one too many;
+* how many programs fit on an SM at once (registers, threads, shared memory, 1 KiB
+  reserved per program), and why waiting programs must not count one too many;
 * how far the bytes of the row held per SM explain the speed, measured over chunk
   sizes, and what else counts.
 
