@@ -17,6 +17,7 @@ import zipfile
 from html.parser import HTMLParser
 from pathlib import Path
 
+import install_line
 import lesson_files
 import perf_summary
 import pytest
@@ -951,9 +952,12 @@ def test_each_notebook_fetches_its_own_needs_at_this_build_s_version(site, monke
     ref = run_conf(monkeypatch)["download_ref"]
     assert ref, "the build knows its version"
     repository = github_repository(site)
+    # The install line pins what Getting started's does: the versions that produced the pages.
+    install, _ = install_line.install_text(ROOT / "build" / "results", ROOT / "requirements.txt")
+    assert "torch==" in install and "triton==" in install
     with zipfile.ZipFile(zip_of_all(site, "jupyter")) as bundle:
         for lesson in LESSONS:
-            cell = lesson_files.download_cell(repository, ref, lesson_files.needs(TUTORIALS, lesson))
+            cell = lesson_files.download_cell(repository, ref, lesson_files.needs(TUTORIALS, lesson), install)
             (alone,) = site.glob(f"_downloads/*/{lesson}.ipynb")
             for notebook in (json.loads(alone.read_text()), json.loads(bundle.read(f"{lesson}.ipynb"))):
                 assert "".join(notebook["cells"][0]["source"]) == cell, lesson

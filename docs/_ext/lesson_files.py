@@ -25,12 +25,14 @@ so this extension adds three things:
 import hashlib
 import io
 import json
+import os
 import re
 import zipfile
 from pathlib import Path
 
 from docutils import nodes
 from docutils.parsers.rst import Directive
+from install_line import install_text
 
 # Beside the lessons, needed by every lesson (stepkit.py reads the tables).
 SHARED = ("stepkit.py", "tuned_tables.json")
@@ -140,22 +142,27 @@ def download_code(repository, ref, files):
     ]
 
 
-def download_cell(repository, ref, files):
-    """A notebook's first cell: what to install, then the download step for `files` at `ref` (the
-    release tag or the commit of the page), or where no ref is known, the zip to download instead. It
-    runs only as the notebook itself, not when another lesson loads the notebook as a module."""
+UNPINNED = "pip install torch triton matplotlib pandas"
+
+
+def download_cell(repository, ref, files, install=UNPINNED):
+    """A notebook's first cell: what to install (`install`, the build's pinned pip line where it
+    knows one), then the download step for `files` at `ref` (the release tag or the commit of the
+    page), or where no ref is known, the zip to download instead. It runs only as the notebook
+    itself, not when another lesson loads the notebook as a module."""
     lines = [
         CELL_START,
         "# It needs PyTorch, Triton, matplotlib and pandas. Without a CUDA GPU it runs",
         "# through the Triton interpreter at small sizes. To install, uncomment:",
-        "# %pip install torch triton matplotlib pandas",
+        f"# %{install}",
         "#",
     ]
     if ref is None:
         return "\n".join(lines + [
             "# It also needs files beside it: " + ", ".join(files) + ".",
-            "# This copy of the site cannot name the version they come from: download the",
-            "# site's zip of all notebooks, which holds them, and run this notebook there.",
+            "# This copy of the site cannot name the version they come from: download this",
+            "# lesson's zip (linked at the end of its page), which holds them, or the site's",
+            "# zip of all notebooks, and run this notebook there.",
         ])
     lines += [
         "# It also needs files beside it: the lessons' shared module, the tuned tables",
@@ -190,9 +197,10 @@ def _write_zip(path, entries):
         path.write_bytes(buffer.getvalue())
 
 
-def refresh_downloads(lessons_dir, gallery_dir, repository, ref):
-    """After Sphinx-Gallery wrote the gallery: each notebook's first cell fetches that lesson's own needs
-    at `ref` (its zip of script and notebook follows), and the zips of all lessons carry SHARED."""
+def refresh_downloads(lessons_dir, gallery_dir, repository, ref, install=UNPINNED):
+    """After Sphinx-Gallery wrote the gallery: each notebook's first cell installs with `install` and
+    fetches that lesson's own needs at `ref` (its zip of script and notebook follows), and the zips of
+    all lessons carry SHARED."""
     lessons_dir, gallery_dir = Path(lessons_dir), Path(gallery_dir)
     for stem in lessons(lessons_dir):
         notebook = gallery_dir / f"{stem}.ipynb"
@@ -200,7 +208,7 @@ def refresh_downloads(lessons_dir, gallery_dir, repository, ref):
             continue
         content = json.loads(notebook.read_text(encoding="utf-8"))
         first = content["cells"][0] if content["cells"] else {}
-        cell = download_cell(repository, ref, needs(lessons_dir, stem))
+        cell = download_cell(repository, ref, needs(lessons_dir, stem), install)
         if first.get("cell_type") != "code" or not "".join(first["source"]).startswith(CELL_START):
             raise ValueError(f"{notebook}: its first cell is not the download step of first_notebook_cell")
         if "".join(first["source"]) != cell:
@@ -229,8 +237,13 @@ def refresh_downloads(lessons_dir, gallery_dir, repository, ref):
 
 
 def _refresh(app):
+    """The notebooks' first cells pin what Getting started's install line pins: the versions that
+    produced the pages (the lessons have run by now), else requirements.txt's."""
     lessons_dir, gallery_dir = _gallery_paths(app)
-    refresh_downloads(lessons_dir, gallery_dir, app.config.repository, app.config.download_ref)
+    root = Path(app.confdir).parent
+    results = Path(os.environ.get("TUTORIAL_RESULTS_DIR", root / "build" / "results"))
+    install, _ = install_text(results, root / "requirements.txt")
+    refresh_downloads(lessons_dir, gallery_dir, app.config.repository, app.config.download_ref, install)
 
 
 class DownloadStep(Directive):
@@ -248,8 +261,9 @@ class DownloadStep(Directive):
         ref = app.config.download_ref
         if ref is None:
             return [nodes.paragraph(text=(
-                "This copy of the site cannot name the version its lessons come from: download the zip "
-                "of all lessons instead."))]
+                "This copy of the site cannot name the version its lessons come from: download the "
+                "lesson's own zip instead (linked at the end of its page), which holds the files it needs, "
+                "or the zip of all lessons."))]
         loaded = sorted({name for stem in lessons(lessons_dir) for name in siblings(lessons_dir, stem)})
         code = download_code(app.config.repository, ref, [*SHARED, *(f"{name}.py" for name in loaded)])
         text = "\n".join(["python - <<'EOF'", *code, "EOF"])
