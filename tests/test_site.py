@@ -757,6 +757,9 @@ def test_a_limit_needs_both_times_and_their_spreads():
     assert perf_summary.binding_limit(gpu_row(1, "mine", None, 150.0)) is None
     assert perf_summary.binding_limit({"N": 1, "provider": "mine", "value": 100.0}) is None
     assert perf_summary.binding_limit(None) is None
+    # Back to back 5% slower than GPU time, with settled timings: under the 10% the lessons call a difference.
+    assert perf_summary.binding_limit(gpu_row(1, "mine", 100.0, 105.0, spread=0.01, gpu_spread=0.01)) == "GPU"
+    assert perf_summary.binding_limit(gpu_row(1, "mine", 100.0, 111.0, spread=0.01, gpu_spread=0.01)) == "host"
 
 
 @pytest.mark.parametrize("low, high, text", [(0.9231, 1.2, "0.92\u20131.2x"), (0.5, 0.61, "0.50\u20130.61x"),

@@ -48,8 +48,8 @@ in the same run (or of the case's own ceiling, where the benchmark names one), b
 with the range of each device ceiling that several benchmarks divide by; then, for every benchmark, its
 ceiling, which providers' GPU time came from the profiler, and a table with the same quantities at each
 case and kernel, and which limit binds there: the host where back to back takes longer than GPU time by
-more than the timings' spread, else the GPU. A ratio whose timings spread past ``SPREAD_LIMIT`` shows as
-a range. Each quantity has one format wherever the page shows it: ``format_ratio`` (or
+more than SPREAD_LIMIT and the timings' spread, else the GPU. A ratio whose timings spread past
+``SPREAD_LIMIT`` shows as a range. Each quantity has one format wherever the page shows it: ``format_ratio`` (or
 ``format_ratio_range``), ``format_fraction`` and ``format_rate`` (the ceiling).
 """
 
@@ -314,14 +314,15 @@ def _vs_strongest_peer(rows, ours, peers, rate, spread):
 
 def binding_limit(row):
     """Which limit sets the pace of one provider at one case: "host" where back to back took longer than
-    GPU time by more than the larger spread of the two timings (the host could not enqueue the calls as
-    fast as the GPU ran them), else "GPU"; None where the row cannot tell (no GPU time, no spreads)."""
+    GPU time by more than SPREAD_LIMIT (the lessons' measure of timings that differ) and by more than the
+    larger spread of the two timings (the host could not enqueue the calls as fast as the GPU ran them),
+    else "GPU"; None where the row cannot tell (no GPU time, no spreads)."""
     b2b, gpu = _rate(row, "value"), _rate(row, "gpu_value")
     spreads = [_rate(row, name) for name in SPREADS]
     if b2b is None or gpu is None or None in spreads:
         return None
     # Rates in one unit: back to back took gpu / b2b times as long as GPU time.
-    return "host" if gpu / b2b - 1 > max(spreads) else "GPU"
+    return "host" if gpu / b2b - 1 > max(SPREAD_LIMIT, *spreads) else "GPU"
 
 
 def per_case(bench):
