@@ -108,9 +108,9 @@ tiles.rename_axis("tile (BM x BN)").round(1) if __name__ == "__main__" else None
 # thread with 8 warps; 256 x 256 would take all of them, leaving none for addresses and
 # loaded values, and spill to slow local memory. The slices of :math:`A` and :math:`B`
 # wait in shared memory, one set per pipeline *stage*, so that the loads of the next
-# steps overlap the math of this one; a program may use 227 KiB of shared memory on an
-# H100 (same guide), which at the sizes in the table allows four stages of 128 x 256
-# with ``BLOCK_K = 64``.
+# steps overlap the math of this one; one program may use up to 227 KiB of the 228 KiB
+# of shared memory that an H100 SM has (same guide), which at the sizes in the table
+# allows four stages of 128 x 256 with ``BLOCK_K = 64``.
 #
 # The kernel
 # ----------
@@ -231,12 +231,10 @@ def matmul_kernel(
 # The launcher
 # ------------
 # A kernel handed a bad pointer does not raise: it computes nonsense or crashes the
-# process. So the launcher checks everything first. It also resolves *negative-bit*
-# views: ``torch._neg_view`` (and some autograd formulas) return a tensor whose memory
-# holds :math:`x` while its value is :math:`-x`, and a kernel reading raw memory would
-# see :math:`x`. ``resolve_neg()`` materializes the negation (a copy only when the bit
-# is set). The conjugate bit exists only on complex tensors, which the dtype check
-# refuses.
+# process. So the launcher checks everything first, and resolves negative views with
+# ``resolve_neg()`` (a kernel reads memory, not the view's flag: lesson 02's launch
+# helpers explain it). The conjugate bit exists only on complex tensors, which the
+# dtype check refuses.
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 TOLERANCE = {

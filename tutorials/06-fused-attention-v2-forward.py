@@ -395,8 +395,9 @@ def tuned_case(q, causal):
 # first call with a given layout goes through the JIT and keeps a *launch plan*: the
 # compiled kernel, its grid and those arguments. Later calls with the same layout pass
 # only their tensors and scale to the compiled kernel's own launcher. (Only launches
-# with a known configuration keep plans: a case that the table does not cover, fp8 among
-# them, goes through the autotuner and the JIT on every call.)
+# with a known configuration keep plans: a case that the table does not cover, such as
+# the fp8 inputs that lesson 11 introduces, goes through the autotuner and the JIT on
+# every call.)
 
 
 def autotuned(kernel, shapes, prune, key, **options):
@@ -438,6 +439,11 @@ def launch_planned(key, kernel, grid, fresh, args, constexprs, **options):
     if replay is not None:
         replay(*args[:fresh])
         return
+    # Three things Triton does but does not document (3.6 and 3.9 alike; a GPU test,
+    # test_plans_give_the_jit_bits_and_another_layout_gets_its_own, holds them to
+    # it): a JIT launch returns the CompiledKernel it ran; kernel.arg_names lists the
+    # parameters in order; and compiled[grid], with a 3-D grid, is that kernel's own
+    # launcher, taking every parameter, constexprs too, by position.
     compiled = kernel[grid](*args, **constexprs, **options)
     later = kernel.arg_names[len(args):]
     rest = (*args[fresh:], *(constexprs[name] for name in later))
@@ -476,6 +482,7 @@ def forward(q, k, v, causal, sm_scale):
     """O and LSE_2 (base-2 log-sum-exp of each row's scores, in fp32) from the
     portable forward kernel."""
     B, H, N, D = q.shape
+    # fp8 (float8_e5m2) inputs are lesson 11's subject; this launcher serves it too.
     fp8 = q.dtype == torch.float8_e5m2
     o = torch.empty(q.shape, dtype=torch.float16 if fp8 else q.dtype, device=q.device)
     lse = torch.empty((B * H, N), dtype=torch.float32, device=q.device)
@@ -552,26 +559,30 @@ if __name__ == "__main__":
 # %%
 # Mistakes learners make, and the test that catches each
 # ------------------------------------------------------
-# Versions of this kernel written from scratch, and even the published tutorial, share
-# a handful of bugs. Each is caught by a test in this project's suite
-# (``tests/test_attention.py``):
+# Versions of this kernel written from scratch share a handful of bugs, and Triton's
+# published tutorial (``python/tutorials/06-fused-attention.py``) the third, in its
+# backward. Each is caught by a test, named below, of this repository's
+# ``tests/test_attention.py`` (not in the lessons' zip); the Correctness cell above
+# runs the third and fourth cases too.
 #
 # * **Q.shape(3).** ``shape`` is a tuple, not a function: ``Q.shape[3]``. The launcher
-#   fails before any kernel runs; caught by any test that runs the code at all.
+#   fails before any kernel runs, in every test: ``test_forward_and_backward`` first.
 # * **The row statistics allocated on the CPU** (the upstream tutorial's ``M``, this
 #   lesson's LSE). ``torch.empty(...)`` without ``device=`` hands a host pointer to a
-#   GPU kernel: a crash or silent garbage. Here every buffer is created with
-#   ``device=q.device``, and the input checks refuse tensors on different devices.
+#   GPU kernel: a crash or silent garbage, which ``test_forward_and_backward`` meets on
+#   a GPU (under the interpreter all is on the CPU, and nothing can see it). Here every
+#   buffer is created with ``device=q.device``, and inputs on different devices are
+#   refused (``test_bad_input_is_refused_clearly``, its ``device`` cases).
 # * **Sequence lengths that must be a multiple of 128.** Unmasked loads read past the
-#   end of the tensors. Here the ragged edge is masked; the tests use
-#   :math:`N = 1, 77, 300` and one past a block boundary.
+#   end of the tensors. Here the ragged edge is masked: ``test_forward_and_backward``
+#   runs :math:`N = 1, 77, 300`, ``test_lengths_around_block_boundaries`` 63, 65, 129.
 # * **Contiguity assumed.** Computing offsets as ``row * D + col`` breaks on a
-#   transposed view. The kernel takes every stride, and the tests feed transposed
-#   inputs.
+#   transposed view. The kernel takes every stride; ``test_strided_inputs`` feeds
+#   transposed inputs.
 # * **A scale taken to be positive.** The unmasked loop finds each row's largest scaled
 #   score without scaling every score first; with a negative ``sm_scale`` the largest
-#   scaled score is the smallest raw one (``NEGATIVE_SCALE``). The tests run a
-#   negative scale.
+#   scaled score is the smallest raw one (``NEGATIVE_SCALE``).
+#   ``test_every_finite_sm_scale`` runs -1, -0.5 and -0.125.
 
 # %%
 # Benchmark
@@ -633,9 +644,17 @@ if __name__ == "__main__":
 kit.rates_table(results, INDEX, "TFLOP/s") if __name__ == "__main__" else None
 
 # %%
+# The same calls back to back, as a loop that calls attention again and again sees
+# them: the table that the "back to back" ranges below read (on a GPU; under the
+# interpreter the table above is already wall-clock time).
+
+(kit.rates_table(results, INDEX, "TFLOP/s", value="value")
+ if __name__ == "__main__" and kit.ON_GPU else None)
+
+# %%
 # Reading the numbers
 # -------------------
-# Computed from the table above, in this run: v2 against the fastest PyTorch peer
+# Computed from the tables above, in this run: v2 against the fastest PyTorch peer
 # (cuDNN or flash) and against v1, by GPU time, and back to back where that tells
 # another story; then how far the repeated timings spread, the yardstick for which
 # differences mean anything.
