@@ -2,6 +2,7 @@
 and the checks of their exercises."""
 
 import math
+import re
 from functools import partial
 
 import numpy as np
@@ -496,6 +497,81 @@ def test_exercise_dv_only(capsys):
         V2_BWD.check_dv_only(lambda *args: right(*args).float())
     with pytest.raises(AssertionError, match="dV: element .* is nan"):
         V2_BWD.check_dv_only(lambda q, *args: torch.full_like(q, math.nan))
+
+
+def test_exercise_dv_products(capsys):
+    """The count is checked without being printed: right or wrong, with a hint on wrong."""
+    V2_BWD.check_dv_products(2)  # P^T recomputed from K Q^T, then P^T dO
+    V2_BWD.check_dv_products(np.int64(2))
+    assert capsys.readouterr().out.count("right") == 2
+    # 1: P taken as stored; 3: dP kept; 4: the two-pass dK, dV loop; 5: all, atomic dQ too.
+    for wrong in (1, 3, 4, 5, 7, 0, -2):
+        with pytest.raises(AssertionError, match=r"does not need -?\d+ products per block pair. Hint") as error:
+            V2_BWD.check_dv_products(wrong)
+        assert "2" not in str(error.value).replace(str(wrong), "")
+    for not_a_count in (True, 2.0, "2", math.nan, None):
+        with pytest.raises(AssertionError, match="give a whole number"):
+            V2_BWD.check_dv_products(not_a_count)
+
+
+# Which tiles ran: the sentences under the tables, read from made-up tables.
+
+
+def test_tiles_compilations_are_counted_per_head_dim():
+    tables = {("fwd", 64, False, 1024): (64, 64, 4, 3), ("fwd", 64, False, 2048): (64, 64, 4, 3),
+              ("fwd", 64, True, 1024): (64, 64, 4, 3), ("fwd", 128, False, 1024): (128, 64, 8, 3),
+              ("fwd", 128, False, 2048): (128, 128, 8, 3), ("dq", 128, False, 1024): (32, 64, 4, 4)}
+    line = V2.compilations(tables, ["fwd"])
+    # The same tile at D = 64 counts once per masking; the dq row is another kernel's.
+    assert line.startswith("For these kernels' 5 cases") and "names 4 distinct configurations" in line
+    assert "2 at D = 64, 2 at D = 128 (the table below)" in line
+    only_128 = V2.compilations({k: t for k, t in tables.items() if k[1] == 128}, ["fwd", "dq"])
+    assert "3 cases" in only_128 and "names 3 distinct" in only_128 and ": 3 at D = 128 (the table below);" in only_128
+    assert "2 at D = 64 (the table below), 2 at D = 128;" in V2.compilations(tables, ["fwd"], shown=64)
+
+
+def test_tiles_table_has_a_row_per_kernel_and_masking():
+    kernels = {"fwd": ("forward", None)}
+    picks = {("fwd", False, 1024): (64, 64, 4, 3), ("fwd", True, 1024): (128, 64, 8, 4),
+             ("fwd", True, 2048): (128, 128, 8, 3)}
+    assert V2.tiles_table(picks, kernels) == {
+        "forward, non-causal": {"N = 1024": "64x64, 4 warps, 3 stages"},
+        "forward, causal": {"N = 1024": "128x64, 8 warps, 4 stages", "N = 2048": "128x128, 8 warps, 3 stages"},
+    }
+    if not stepkit.ON_GPU:  # under the interpreter no table applies and no tuner runs: nothing to show
+        assert V2.tiles_that_ran(128, [64, 128], kernels) == {}
+
+
+def test_tiles_keys_per_program_reads_what_each_dkdv_kernel_ran():
+    def picks(two_pass, atomic, n=5):
+        """two_pass and atomic: (BLOCK_N, warps) for each case, both maskings; a dQ row that must not count."""
+        rows = {("dq", False, 1024): (32, 128, 8, 3)}
+        for name, tiles in (("dkdv", two_pass), ("dkdv-atomic", atomic)):
+            for i, (keys, warps) in enumerate(tiles):
+                rows[name, i % 2 == 1, 1024 * 2 ** (i // 2)] = (64, keys, warps, 3)
+        return rows
+
+    h100 = V2_BWD.keys_per_program(picks([(64, 4)] * 10, [(128, 8)] * 10))
+    assert h100 == ("What ran: the two-pass backward's dK, dV kernel ran 64 keys on 4 warps in 10 of its 10 cases; "
+                    "the atomic backward's ran 128 keys on 8 warps in 10 of its 10 cases: the two backwards chose "
+                    "differently.")
+    same = V2_BWD.keys_per_program(picks([(128, 8)] * 10, [(128, 8)] * 10))
+    assert "128 keys on 8 warps in 10 of its 10" in same and same.endswith("cases.") and "differently" not in same
+    mixed = V2_BWD.keys_per_program(picks([(64, 4)] * 6 + [(128, 8)] * 4, [(128, 8)] * 3 + [(64, 4)] * 7))
+    assert "64 keys on 4 warps in 6 of its 10 cases" in mixed and "ran 64 keys on 4 warps in 7 of its 10" in mixed
+    assert "differently" not in mixed
+    one = V2_BWD.keys_per_program(picks([(64, 4)] * 2, []))
+    assert one == "What ran: the two-pass backward's dK, dV kernel ran 64 keys on 4 warps in 2 of its 2 cases."
+    assert V2_BWD.keys_per_program({}) == V2_BWD.keys_per_program(picks([], [])) == ""
+
+
+def test_the_mistakes_sections_name_tests_that_exist():
+    """Lessons 06 and 07 name the tests that catch each mistake: each must be one of this file's."""
+    for stem in ("06-fused-attention-v2-forward", "07-fused-attention-v2-backward"):
+        source = (ROOT / "tutorials" / f"{stem}.py").read_text()
+        section = source.split("# Mistakes learners make")[1].split("# %%")[0]
+        named = set(re.findall(r"(?<!its )``(test_\w+)``", section))  # "its ``test_op``": Triton's own
+        assert named and all(callable(globals().get(name)) for name in named), (stem, named)
 
 
 def test_the_forward_lesson_has_the_same_forward_and_says_where_the_backward_is(rng):

@@ -15,14 +15,11 @@ it, and lessons 11 to 13 take the same algorithm to Hopper's warp-specialized de
 You will learn:
 
 * what FlashAttention-2 changes from v1, and why each change pays;
-* how to split causal attention into blocks that need no mask and blocks that do,
-  drawn as a grid;
-* why attention is bound by the tensor cores and not by memory, although one tile
-  alone would be;
+* how to split causal attention into blocks that need no mask and those that do;
+* why attention is bound by the tensor cores and not by memory, unlike one tile alone;
 * how to tune a kernel's tiles once, offline, instead of autotuning in every build;
 * how to cut the host's cost of a launch where the host, not the GPU, sets the pace;
-* the mistakes that learners' versions of this kernel make, and the tests that catch
-  each one.
+* the mistakes that learners' versions of this kernel make, and the tests for each.
 
 This lesson needs ``stepkit.py``, ``tuned_tables.json`` and ``05-fused-attention-v1.py``
 next to it (the site's zip of all lessons has them): the shared module, the tile table,
@@ -52,22 +49,18 @@ V1 = kit.load_lesson("05-fused-attention-v1")  # its kernel, compared below
 # %%
 # What changes from v1, and why
 # -----------------------------
-# * **The loop order, and a grid over the sequence: already in lesson 05.** The
-#   FlashAttention paper's Algorithm 1 loops over key/value blocks outside and query
-#   blocks inside, reading and writing :math:`O`, :math:`m` and :math:`\ell` in memory
-#   at every step, one program per (batch, head). FlashAttention-2 (its sections 3.1
-#   and 3.2) swaps the loops: one program per query block walks the key blocks with
-#   :math:`O`, :math:`m` and :math:`\ell` in registers, on a grid over the sequence as
-#   well as batch and heads, enough programs to fill a GPU at small batches. Lesson
-#   05's kernel already runs that way; against it, v2 changes what follows: fewer
-#   operations outside the matrix products, one saved number per row, fewer masks.
-# * **Normalize once, at the end.** v1 kept its accumulator normalized: at every key
-#   block, two per-row factors (each with a division by the new running sum) multiplied
-#   the whole accumulator and the whole probability tile. v2 keeps the *unnormalized*
-#   sum :math:`a = \sum_j e^{s_j - m} v_j` and divides by :math:`\ell` once, after the
-#   loop. Inside it only the rescaling by :math:`e^{m - m'}` remains, one multiplication
-#   per accumulator element per block and none on the probabilities: the paper's
-#   "fewer non-matmul FLOPs" (its section 3.1), and lesson 05's first exercise.
+# * **Already in lesson 05: the loop order, and a grid over the sequence.** The
+#   FlashAttention paper's Algorithm 1 loops over key/value blocks outside, reading and
+#   writing :math:`O`, :math:`m` and :math:`\ell` in memory at every step.
+#   FlashAttention-2 (its sections 3.1 and 3.2) has one program per query block walk
+#   the key blocks with them in registers, on a grid over the sequence as well as batch
+#   and heads. Lesson 05's kernel already does; against it, v2 changes what follows.
+# * **Normalize once, at the end.** At every key block, v1 multiplied the whole
+#   accumulator and probability tile by two per-row factors, each with a division by the
+#   new running sum. v2 keeps the *unnormalized* sum :math:`a = \sum_j e^{s_j - m} v_j`,
+#   divided by :math:`\ell` once, after the loop; inside it only the rescaling by
+#   :math:`e^{m - m'}` remains, one multiplication per accumulator element per block:
+#   the paper's "fewer non-matmul FLOPs" (its section 3.1), and lesson 05's exercise 1.
 # * **exp2, with** :math:`\log_2 e` **folded into the scale.** The scores are multiplied
 #   by ``sm_scale`` anyway; multiplying by ``sm_scale * log2(e)`` instead makes every
 #   exponential a bare ``exp2``, one hardware instruction, and saves the multiplication
@@ -76,11 +69,10 @@ V1 = kit.load_lesson("05-fused-attention-v1")  # its kernel, compared below
 # * **Parallel over the sequence in the backward too**: one program per key block, not
 #   per (batch, head) as in v1. That is the next lesson's subject.
 # * **A mask only where one is needed.** v1 already stopped a query block at the
-#   diagonal (causal attention does about half the work; more than half at short
-#   lengths, where the diagonal's blocks weigh more) but masked every block it
-#   computed. v2 masks only the blocks that the diagonal crosses and the ragged last
-#   block; the key blocks entirely below the diagonal run a loop compiled without any
-#   mask. The grid below, drawn by this lesson's own code, shows which is which.
+#   diagonal (causal attention does about half the work, more at short lengths) but
+#   masked every block it computed. v2 masks only the blocks that the diagonal crosses
+#   and the ragged last block; the rest run a loop compiled without any mask. The grid
+#   below, drawn by this lesson's own code, shows which is which.
 
 LOG2E = 1.4426950408889634
 
@@ -136,31 +128,27 @@ if __name__ == "__main__":
 
 # %%
 # How much work, and what bounds it? The forward does two matrix products of
-# :math:`2N^2D` floating-point operations per (batch, head): :math:`4BHN^2D` FLOPs, half
-# that when causal. The backward recomputes :math:`QK^T` and does four more products:
-# 2.5 times the forward. The tiles lesson counted the bytes a *tile* loads: a program
-# with ``BLOCK_M`` query rows reads all of :math:`K` and :math:`V` once, :math:`2ND`
-# elements, to do :math:`4 \cdot \mathrm{BLOCK\_M} \cdot ND` FLOPs:
-# :math:`2 \cdot \mathrm{BLOCK\_M}` FLOPs per element, :math:`\mathrm{BLOCK\_M}` per
-# byte in fp16, 128 for 128-row tiles. That is below an H100's ridge point (about 990
-# TFLOP/s over 3.35 TB/s, some 300 FLOPs per byte, from NVIDIA's datasheet for the SXM
-# card): if every program fetched K and V from device memory, attention would be
-# memory-bound. It is not, because the :math:`N / \mathrm{BLOCK\_M}` programs of one
-# (batch, head) run at nearly the same time and read the same K and V: after the first
-# reads them, the others find them in the L2 cache. That is the L2 reuse of the tiles
-# lesson, and it is why the grid puts the query block, not the head, on its
-# fastest-varying axis. Counted from device memory, each of :math:`Q, K, V, O` moves
-# once, and the intensity is about :math:`N/2` FLOPs per byte. Attention is bound by
-# the tensor cores, and its speed is best given as a fraction of the matrix-multiply
-# rate.
+# :math:`2N^2D` FLOPs per (batch, head): :math:`4BHN^2D` FLOPs, half that when causal;
+# the backward recomputes :math:`QK^T` and does four more products, 2.5 times as many.
+# A program with ``BLOCK_M`` query rows reads all of :math:`K` and :math:`V`,
+# :math:`2ND` elements, to do :math:`4 \cdot \mathrm{BLOCK\_M} \cdot ND` FLOPs:
+# :math:`\mathrm{BLOCK\_M}` FLOPs per byte in fp16, 128 for 128-row tiles. That is
+# below an H100's ridge point (about 990 TFLOP/s over 3.35 TB/s, some 300 FLOPs per
+# byte, from NVIDIA's datasheet for the SXM card): if every program fetched K and V
+# from device memory, attention would be memory-bound. It is not, because the
+# :math:`N / \mathrm{BLOCK\_M}` programs of one (batch, head) run at nearly the same
+# time and read the same K and V: after the first, the others find them in the L2
+# cache (the tiles lesson's L2 reuse, and why the grid puts the query block, not the
+# head, on its fastest-varying axis). Counted from device memory, each of
+# :math:`Q, K, V, O` moves once: about :math:`N/2` FLOPs per byte. Attention is bound
+# by the tensor cores; its speed is best given as a fraction of the matmul rate.
 #
 # The forward kernel
 # ------------------
 # The inner loop walks key blocks from ``lo`` to ``hi``. ``MASKED`` is a compile-time
-# flag: the compiler produces one loop without any masking for the bulk of the keys,
-# and one with masks for the causal diagonal and for the ragged last block when
-# :math:`N` is not a multiple of ``BLOCK_N``. Keys past :math:`N` get a score of
-# :math:`-\infty`; their loads read zeros.
+# flag: one loop is compiled without any masking, for the bulk of the keys, and one with
+# masks, for the causal diagonal and the ragged last block. Keys past :math:`N` get a
+# score of :math:`-\infty`; their loads read zeros.
 
 
 @triton.jit
@@ -269,35 +257,29 @@ def attn_fwd_kernel(
 # -------------------------------
 # The best tile sizes depend on the GPU, the head dimension, the masking and the
 # sequence length. ``triton.autotune`` would time every candidate the first time it
-# meets a case, costing each build minutes of compiling and timing, and each call some
-# host time to look its case up. This lesson measures once, offline, instead:
+# meets a case: minutes of compiling and timing in each build, and host time in each
+# call to look its case up. This lesson measures once, offline, instead:
 # ``python tools/tune.py attention`` (in this repository) times every candidate below
-# on a GPU, for each head dimension, masking and sequence length of the benchmark, and
-# writes the winners, with the GPU and versions that produced them, into the table
-# "attention-tiles" of ``tuned_tables.json`` beside the lessons: a row per kernel, head
-# dimension, masking and sequence-length bucket. On a GPU of that architecture the
-# launchers take the configuration from the table (a length between two measured ones
-# takes its power-of-two bucket, one outside them the nearest bucket). Anywhere else
-# the autotuner picks from the same candidates, keyed on the head dimension, the causal
-# flag and the length rounded up to a power of two: once per bucket, not per length.
-#
-# The sweep compares tiles by the kernel's own time on the GPU, read from the CUDA
-# profiler, not by the time of a whole call: every tile of one kernel costs the host
-# the same, and at short lengths the host's time per call moves more from run to run
-# than the kernels differ.
+# on a GPU, for each case of the benchmark, and writes the winners, with the GPU and
+# versions that produced them, into the table "attention-tiles" of
+# ``tuned_tables.json``: a row per kernel, head dimension, masking and sequence-length
+# bucket. On a GPU of that architecture the launchers take the configuration from the
+# table (a length takes its power-of-two bucket, or the nearest one measured); anywhere
+# else the autotuner picks from the same candidates, once per bucket. The sweep
+# compares tiles by the kernel's own time, read from the CUDA profiler: every tile of
+# one kernel costs the host the same, and at short lengths the host's time per call
+# varies more than the kernels differ.
 #
 # Candidates that cannot work are never compiled: tiles that break the causal split,
 # and pipelines whose buffered key and value tiles (``num_stages x 2 x BLOCK_N x D``
 # elements) would not fit in the SM's shared memory. The best two or three candidates
 # are often within a few percent of each other, about the GPU's run-to-run noise, and
-# every distinct configuration a build runs is one more compilation. So the sweep
-# treats configurations within 3% of a length's fastest as tied, and among tied ones
-# keeps as few distinct configurations per kernel, head dimension and masking as it
-# can ("Which tiles ran", below, counts them). The interpreter runs one, untuned.
-#
-# One table holds the tiles of all four kernels of FlashAttention-2, since one sweep
-# measures them together: this lesson's forward (``fwd``) and the three kernels of the
-# next lesson's backward.
+# each distinct configuration a build runs is one more compilation. So the sweep treats
+# those within 3% of a length's fastest as tied, and among them keeps as few distinct
+# configurations per kernel, head dimension and masking as it can ("Which tiles ran",
+# below, counts them). The interpreter runs one, untuned. One table holds the tiles of
+# all four kernels of FlashAttention-2, measured by one sweep: this lesson's forward
+# (``fwd``) and the next lesson's three backward kernels.
 
 
 def _configs(shapes):
@@ -323,14 +305,12 @@ def _prune_fwd(configs, named_args, **kwargs):
 
 # The candidates that the sweep compares: (BLOCK_M, BLOCK_N, warps, stages).
 FWD_SHAPES = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)]
-# Under the interpreter: one configuration per kernel (the next lesson's too), obeying
-# the same rules.
+# Under the interpreter: one configuration per kernel (the next lesson's too).
 INTERPRETER_CONFIGS = {"fwd": (64, 32, 4, 1), "dkdv": (32, 64, 4, 1),
                        "dkdv-atomic": (32, 64, 4, 1), "dq": (32, 64, 4, 1)}
 
-# The table: where it was measured (TUNED_ON, with its sequence-length buckets), and
-# each case's tile, {(kernel, head dim, causal, N bucket): (BLOCK_M, BLOCK_N, warps,
-# stages)}.
+# The table: where it was measured (TUNED_ON, with its length buckets), and each case's
+# tile, {(kernel, head dim, causal, N bucket): (BLOCK_M, BLOCK_N, warps, stages)}.
 _ROWS = kit.tuned_table("attention-tiles")["rows"]
 TUNED_ON = dict(kit.tuned_table("attention-tiles")["measured_on"])
 TUNED_ON.update(capability=tuple(TUNED_ON["capability"]),
@@ -377,27 +357,24 @@ def tuned_case(q, causal):
 #
 # The launcher
 # ------------
-# The kernel runs with the configuration that the table gives for its case, or, where
-# no measurement applies, the autotuner's pick; under the interpreter, with its one
-# configuration. ``forward`` launches it and returns :math:`O` and the row statistic
-# :math:`\mathrm{LSE}_2` that the backward needs; the next lesson and the Hopper lessons
-# reuse it. ``attention`` checks its inputs first: it is what a user calls for
-# inference. Its autograd function has no backward yet, and says so when asked for
-# gradients; the next lesson's ``attention`` has one.
+# The kernel runs with the table's configuration for its case, else the autotuner's
+# pick; under the interpreter, with its one configuration. ``forward`` launches it and
+# returns :math:`O` and the row statistic :math:`\mathrm{LSE}_2` that the backward
+# needs (the next lesson and the Hopper lessons reuse it). ``attention``, what a user
+# calls for inference, checks its inputs first; asked for gradients, it says that the
+# next lesson's ``attention`` has them.
 #
-# At short lengths the host's work per call matters as much as the GPU's (lesson 12's
-# section "Host time, GPU time and back to back at the smallest size" measures both).
-# One large piece is Triton's JIT dispatch: on every call it inspects each of some
-# thirty arguments, to find what the compiled kernel was specialized on (dtypes,
-# integers equal to 1 or divisible by 16, pointers aligned to 16 bytes), and looks the
-# kernel up by that. Every one of those answers, and every argument besides the tensors
-# and the scale, follows from the inputs' shapes, strides, dtypes and alignment. So the
+# At short lengths the host's work per call matters as much as the GPU's (lesson 12
+# measures both). One large piece is Triton's JIT dispatch: on every call it inspects
+# each of some thirty arguments for what the compiled kernel was specialized on
+# (dtypes, integers equal to 1 or divisible by 16, pointers aligned to 16 bytes), and
+# looks the kernel up by that. All of it, and every argument besides the tensors and
+# the scale, follows from the inputs' shapes, strides, dtypes and alignment. So the
 # first call with a given layout goes through the JIT and keeps a *launch plan*: the
-# compiled kernel, its grid and those arguments. Later calls with the same layout pass
-# only their tensors and scale to the compiled kernel's own launcher. (Only launches
-# with a known configuration keep plans: a case that the table does not cover, such as
-# the fp8 inputs that lesson 11 introduces, goes through the autotuner and the JIT on
-# every call.)
+# compiled kernel, its grid and those arguments; later calls with that layout pass only
+# their tensors and scale to the compiled kernel's own launcher. (Only launches with a
+# known configuration keep plans: a case the table does not cover, such as the fp8
+# inputs that lesson 11 introduces, goes through the autotuner and the JIT each time.)
 
 
 def autotuned(kernel, shapes, prune, key, **options):
@@ -439,11 +416,10 @@ def launch_planned(key, kernel, grid, fresh, args, constexprs, **options):
     if replay is not None:
         replay(*args[:fresh])
         return
-    # Three things Triton does but does not document (3.6 and 3.9 alike; a GPU test,
-    # test_plans_give_the_jit_bits_and_another_layout_gets_its_own, holds them to
-    # it): a JIT launch returns the CompiledKernel it ran; kernel.arg_names lists the
-    # parameters in order; and compiled[grid], with a 3-D grid, is that kernel's own
-    # launcher, taking every parameter, constexprs too, by position.
+    # Undocumented Triton internals, as in 3.6 and 3.9 (tests/test_attention.py checks
+    # them on a GPU): a JIT launch returns the CompiledKernel it ran, kernel.arg_names
+    # lists the parameters, and compiled[3-D grid] is the kernel's own launcher: every
+    # argument, constexprs too, by position.
     compiled = kernel[grid](*args, **constexprs, **options)
     later = kernel.arg_names[len(args):]
     rest = (*args[fresh:], *(constexprs[name] for name in later))
@@ -482,7 +458,7 @@ def forward(q, k, v, causal, sm_scale):
     """O and LSE_2 (base-2 log-sum-exp of each row's scores, in fp32) from the
     portable forward kernel."""
     B, H, N, D = q.shape
-    # fp8 (float8_e5m2) inputs are lesson 11's subject; this launcher serves it too.
+    # fp8 (float8_e5m2) is lesson 11's subject; it calls this launcher with fp8 inputs.
     fp8 = q.dtype == torch.float8_e5m2
     o = torch.empty(q.shape, dtype=torch.float16 if fp8 else q.dtype, device=q.device)
     lse = torch.empty((B * H, N), dtype=torch.float32, device=q.device)
@@ -524,12 +500,10 @@ def attention(q, k, v, causal, sm_scale):
 # %%
 # Correctness
 # -----------
-# Right after the kernel, before any timing: the forward against float64 PyTorch on
-# fresh random inputs, causal and not, at a sequence length one past a block boundary,
-# and with ``q`` made by transposing a (batch, sequence, heads, dim) tensor, so that its
-# strides are not the contiguous ones. The check is ``kit.check_against_float64``, which
-# fails on NaN or infinity anywhere and names what is off. On a GPU, the kernels it
-# launches are compiled first, on all CPU cores (``kit.compile_ahead``).
+# Before any timing: the forward against float64 PyTorch on fresh random inputs, causal
+# and not, at a length one past a block boundary, with ``q`` a transposed view (strides
+# not the contiguous ones). ``kit.check_against_float64`` fails on NaN or infinity and
+# names what is off. On a GPU, ``kit.compile_ahead`` compiles on all CPU cores first.
 
 
 def strided_cases(B, H, N, D, keys=(False, True)):
@@ -545,25 +519,21 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     B, H, N, D = 2, 3, 129 if kit.ON_GPU else 65, 64
     cases = strided_cases(B, H, N, D)
-    kit.compile_ahead(
-        lambda: [attention(*qkv, causal, D**-0.5) for causal, qkv in cases.items()]
-    )
+    kit.compile_ahead(lambda: [attention(*qkv, c, D**-0.5) for c, qkv in cases.items()])
     for causal, (q, k, v) in cases.items():
         label = f"06-fused-attention-v2-forward, causal={causal}"
-        errors = kit.check_against_float64(
-            attention, q, k, v, causal, D**-0.5, label, backward=False
-        )
+        errors = kit.check_against_float64(attention, q, k, v, causal, D**-0.5, label,
+                                           backward=False)
         shown = ", ".join(f"{n} {e:.1e}" for n, e in errors.items())
         print(f"causal={causal!s:5}, N={N}: {shown}")
 
 # %%
 # Mistakes learners make, and the test that catches each
 # ------------------------------------------------------
-# Versions of this kernel written from scratch share a handful of bugs, and Triton's
-# published tutorial (``python/tutorials/06-fused-attention.py``) the third, in its
-# backward. Each is caught by a test, named below, of this repository's
-# ``tests/test_attention.py`` (not in the lessons' zip); the Correctness cell above
-# runs the third and fourth cases too.
+# Versions of this kernel written from scratch share a handful of bugs; Triton's own
+# tutorial (``python/tutorials/06-fused-attention.py``) has the third, in its backward.
+# Each is caught by a test named below, in this repository's ``tests/test_attention.py``
+# (not in the lessons' zip); the Correctness cell above runs the third and fourth too.
 #
 # * **Q.shape(3).** ``shape`` is a tuple, not a function: ``Q.shape[3]``. The launcher
 #   fails before any kernel runs, in every test: ``test_forward_and_backward`` first.
@@ -576,29 +546,24 @@ if __name__ == "__main__":
 # * **Sequence lengths that must be a multiple of 128.** Unmasked loads read past the
 #   end of the tensors. Here the ragged edge is masked: ``test_forward_and_backward``
 #   runs :math:`N = 1, 77, 300`, ``test_lengths_around_block_boundaries`` 63, 65, 129.
-# * **Contiguity assumed.** Computing offsets as ``row * D + col`` breaks on a
-#   transposed view. The kernel takes every stride; ``test_strided_inputs`` feeds
-#   transposed inputs.
+# * **Contiguity assumed.** Offsets computed as ``row * D + col`` break on a transposed
+#   view. The kernel takes every stride; ``test_strided_inputs`` feeds transposed views.
 # * **A scale taken to be positive.** The unmasked loop finds each row's largest scaled
-#   score without scaling every score first; with a negative ``sm_scale`` the largest
-#   scaled score is the smallest raw one (``NEGATIVE_SCALE``).
-#   ``test_every_finite_sm_scale`` runs -1, -0.5 and -0.125.
+#   score before scaling; with a negative ``sm_scale`` that is the smallest raw score
+#   (``NEGATIVE_SCALE``). ``test_every_finite_sm_scale`` runs -1, -0.5 and -0.125.
 
 # %%
 # Benchmark
 # ---------
 # TFLOP/s of the forward, causal and not, on a GPU at :math:`D = 64`
 # (:math:`B = 4, H = 32`) and :math:`D = 128` (:math:`B = 4, H = 16`), under the
-# interpreter at :math:`B = 1` and a head or two of two short sequences; against
-# PyTorch SDPA's cuDNN and flash backends (the math backend under the interpreter) and
-# the v1 kernel of the previous lesson. The ceiling is the matrix-multiply rate
-# measured in this run.
-#
-# How we time: as in lesson 05, each provider's GPU time (its call replayed from a CUDA
-# graph after an L2 flush) and its back-to-back time (many calls in a row, as a loop
-# sees them), in passes, shown as a range where they spread; the
-# :doc:`performance page <../performance>` gives the method ("How we time"). Under the
-# interpreter the numbers only illustrate.
+# interpreter at :math:`B = 1` and two short sequences; against PyTorch SDPA's cuDNN and
+# flash backends (the math backend under the interpreter) and lesson 05's v1 kernel.
+# The ceiling is the matrix-multiply rate measured in this run. How we time: as in
+# lesson 05, by GPU time (a CUDA graph replayed after an L2 flush) and back to back
+# (many calls in a row), in passes, a range where they spread; the
+# :doc:`performance page <../performance>` gives the method. Under the interpreter the
+# numbers only illustrate.
 
 PEERS = kit.FAST_PEERS
 OURS = "Triton v2"
@@ -628,9 +593,8 @@ if __name__ == "__main__":
     print(kit.describe_platform())
     peak = kit.matmul_tflops()
     print(kit.ceiling_line(peak))
-    results = pd.DataFrame(
-        kit.attention_benchmark(CASES, SIZES, providers_for, ("fwd",))
-    )
+    benchmark = kit.attention_benchmark(CASES, SIZES, providers_for, ("fwd",))
+    results = pd.DataFrame(benchmark)
     table, b2b = kit.rate_tables(results, INDEX)
     kit.plot_style()
     kit.plot_attention(table, "fwd", peak, "Forward pass, by GPU time",
@@ -644,9 +608,8 @@ if __name__ == "__main__":
 kit.rates_table(results, INDEX, "TFLOP/s") if __name__ == "__main__" else None
 
 # %%
-# The same calls back to back, as a loop that calls attention again and again sees
-# them: the table that the "back to back" ranges below read (on a GPU; under the
-# interpreter the table above is already wall-clock time).
+# The same calls back to back, as a loop sees them, which "back to back" below reads
+# (on a GPU; under the interpreter the table above is already wall-clock time).
 
 (kit.rates_table(results, INDEX, "TFLOP/s", value="value")
  if __name__ == "__main__" and kit.ON_GPU else None)
@@ -696,11 +659,12 @@ def tuner_pick(tuner, key):
 
 
 def tiles_that_ran(D, sizes, kernels):
-    """{kernel and masking: {N: configuration}} at head dim D, as text, for kernels
-    ({name in the table: (label, its tuner)}): the table's, or the autotuner's."""
+    """{(kernel's name in the table, causal, N): (BLOCK_M, BLOCK_N, warps, stages)} at
+    head dim D, for kernels ({name: (label, its tuner)}): the table's, or the
+    autotuner's picks."""
     picks = {}
     each = itertools.product(kernels.items(), (False, True), sizes)
-    for (name, (label, tuner)), causal, N in each:
+    for (name, (_, tuner)), causal, N in each:
         q = torch.empty(1, 1, N, D, dtype=torch.float16, device=DEVICE)
         case = tuned_case(q, causal)
         config = TUNED_CONFIGS.get((name, *case)) if case else None
@@ -709,9 +673,32 @@ def tiles_that_ran(D, sizes, kernels):
                        ATOMIC_DQ=name == "dkdv-atomic")
             config = tuner_pick(tuner, key)
         if config is not None:
-            row = f"{label}, {'causal' if causal else 'non-causal'}"
-            picks.setdefault(row, {})[f"N = {N}"] = config_text(*config)
+            picks[name, causal, N] = config
     return picks
+
+
+def tiles_table(picks, kernels):
+    """tiles_that_ran's picks as rows of text: {kernel and masking: {N: tile}}."""
+    rows = {}
+    for (name, causal, N), config in picks.items():
+        row = f"{kernels[name][0]}, {'causal' if causal else 'non-causal'}"
+        rows.setdefault(row, {})[f"N = {N}"] = config_text(*config)
+    return rows
+
+
+def compilations(configs, names, shown=128):
+    """A sentence: how many distinct tiles configs ({(kernel, D, causal, N bucket):
+    tile}) gives the kernels in names, in all and per head dim (the page shows D =
+    shown's)."""
+    rows = {key: tile for key, tile in configs.items() if key[0] in names}
+    distinct = {(name, D, causal, tile) for (name, D, causal, _), tile in rows.items()}
+    dims, below = [D for _, D, _, _ in distinct], {shown: " (the table below)"}
+    each = ", ".join(f"{dims.count(D)} at D = {D}{below.get(D, '')}"
+                     for D in sorted(set(dims)))
+    return (f"For these kernels' {len(rows)} cases (kernel, head dim, masking, length) "
+            f"it names {len(dims)} distinct configurations, counted per kernel, head "
+            f"dim and masking, which compile apart: {each}; one compilation each, per "
+            "dtype.")
 
 
 def where_tiles_came_from(names):
@@ -723,22 +710,18 @@ def where_tiles_came_from(names):
     probe = torch.empty(1, 1, 1, 128, dtype=torch.float16, device=DEVICE)
     if not tuned_case(probe, False):
         return "The table does not cover this GPU: the autotuner picked these here."
-    rows = {key: config for key, config in TUNED_CONFIGS.items() if key[0] in names}
-    distinct = {(key[:3], config) for key, config in rows.items()}
     here, gpu = torch.cuda.get_device_name(DEVICE), TUNED_ON["gpu"]
     return (
         f"From the table, measured on {gpu} with torch {TUNED_ON['torch']} and Triton "
         f"{TUNED_ON['triton']}"
         + (f" (not on this {here}, of the same architecture)" if here != gpu else "")
-        + f". For these kernels' {len(rows)} cases (kernel, head dim, masking, length) "
-        f"it names {len(distinct)} distinct configurations: one compilation each, per "
-        "dtype."
+        + ". " + compilations(TUNED_CONFIGS, names)
     )
 
 
 if __name__ == "__main__":
     kernels = {"fwd": ("forward", FWD_TUNER)}
-    choices = pd.DataFrame(tiles_that_ran(128, SIZES, kernels)).T
+    choices = pd.DataFrame(tiles_table(tiles_that_ran(128, SIZES, kernels), kernels)).T
     print(where_tiles_came_from(["fwd"]))
 
 choices if __name__ == "__main__" and not choices.empty else None
@@ -746,13 +729,11 @@ choices if __name__ == "__main__" and not choices.empty else None
 # %%
 # Exercises
 # ---------
-# Each exercise comes with a check: call it on your function, and it compares your
-# answer with a float64 reference on fresh random inputs, raising ``AssertionError``
-# at the first wrong element, or prints one line when all is right.
-#
+# Each check compares your answer with a reference on fresh random inputs, raising
+# ``AssertionError`` at the first wrong element, or prints one line when all is right.
 # Write each attempt in a new cell at the end of this lesson's notebook (linked at the
-# end of the page), below the checks, and call its check as the exercise shows; or in a
-# file next to the lessons that loads this one first:
+# end of the page) and call its check as the exercise shows; or in a file next to the
+# lessons that loads this one first:
 #
 # .. code-block:: python
 #

@@ -35,8 +35,11 @@ lesson 05's kernel.
 # ``stepkit``, the module beside the lessons, picks a CUDA GPU when there is one,
 # otherwise the Triton interpreter on the CPU, before the first ``@triton.jit``.
 
+import collections
 import functools
+import hashlib
 import itertools
+import numbers
 
 import torch
 
@@ -107,12 +110,11 @@ V2 = kit.load_lesson("06-fused-attention-v2-forward")  # the forward and its lau
 # backward, which counts where the host's time per call paces the GPU. The atomic
 # backward has no :math:`dQ` pass to fold it into, so it keeps the preprocess.
 #
-# In both, masking is needed only on the diagonal and on ragged edges: a query row past
-# :math:`N` is loaded as zeros, so its :math:`dO` and :math:`\Delta` are zero and it
-# contributes nothing; a key row past :math:`N` is loaded as zeros, so it adds nothing
-# to :math:`dQ`, and its own :math:`dK, dV` rows are never stored. The picture shows one
-# program of each pass on the causal grid of blocks: what it owns, and which blocks it
-# walks.
+# In both, masking is needed only on the diagonal and the ragged edges: a query row
+# past :math:`N` loads as zeros, so its :math:`dO` and :math:`\Delta` are zero and it
+# adds nothing; a key row past :math:`N` loads as zeros, adds nothing to :math:`dQ`,
+# and its :math:`dK, dV` rows are never stored. The picture shows one program of each
+# pass on the causal grid of blocks: what it owns, and which blocks it walks.
 
 
 def draw_backward_passes(n_blocks=8, key_block=2, query_block=5):
@@ -483,13 +485,11 @@ def attention(q, k, v, causal, sm_scale, atomic_dq=False):
 # %%
 # Correctness
 # -----------
-# Right after the kernels, before any timing: the output and all three gradients
-# against float64 PyTorch on fresh random inputs, causal and not, both ways of
-# computing :math:`dQ`, at a sequence length one past a block boundary, and with ``q``
-# made by transposing a (batch, sequence, heads, dim) tensor, so that its strides are
-# not the contiguous ones. The check is ``kit.check_against_float64``, which fails on
-# NaN or infinity anywhere and names what is off; on a GPU, every kernel it launches is
-# compiled first, on all CPU cores.
+# Before any timing: the output and all three gradients against float64 PyTorch on
+# fresh random inputs and a random :math:`dO`, causal and not, both ways of computing
+# :math:`dQ`, at a length one past a block boundary, with ``q`` a transposed view.
+# ``kit.check_against_float64`` fails on NaN or infinity and names what is off; on a
+# GPU every kernel it launches is compiled first, on all CPU cores.
 
 
 if __name__ == "__main__":
@@ -515,32 +515,33 @@ if __name__ == "__main__":
 # %%
 # Mistakes learners make, and the test that catches each
 # ------------------------------------------------------
-# Two bugs of from-scratch backwards, and of the published tutorial, each caught by a
-# test in this project's suite (``tests/test_attention.py``); lesson 06 lists those the
-# forward shares:
+# Two bugs of from-scratch backwards, the second also in Triton's own tutorial (lesson
+# 06 lists those the forward shares). The Correctness cell above catches both, as do
+# the tests named below, in this repository's ``tests/test_attention.py``:
 #
 # * **dO loaded through O's pointers.** A from-scratch backward that reuses the
 #   output's pointer block to load the upstream gradient computes the gradient of the
 #   wrong function. It runs, and the loss even goes down. Caught by comparing every
 #   gradient with float64 autograd on a random :math:`dO` (never on :math:`dO = 1` or
-#   :math:`dO = O`, which can hide it).
-# * **A backward that ignores** ``causal=False``. The published v2 tutorial computed the
-#   causal gradient whatever it was asked; the forward was right, so only a gradient
-#   test of the non-causal case sees it. The tests run both modes.
+#   :math:`dO = O`, which can hide it), as ``test_forward_and_backward`` does.
+# * **A backward that ignores** ``causal=False``. In Triton's tutorial
+#   (``python/tutorials/06-fused-attention.py``) the backward kernel ``_attn_bwd`` has
+#   no causal flag and always masks the diagonal, and its ``test_op`` runs
+#   ``causal=True`` only. The forward is right, so only a gradient test of the
+#   non-causal case sees it: ``test_forward_and_backward`` runs both modes, and
+#   ``test_v2_non_causal_gradient_differs_from_causal`` checks that they differ.
 
 # %%
 # Benchmark
 # ---------
 # TFLOP/s of the backward pass (2.5 times the forward's FLOPs: five matrix products
 # where the forward has two), causal and not, at lesson 06's sizes, against PyTorch
-# SDPA's cuDNN and flash backends (the math backend under the interpreter) and the v1
-# kernel of lesson 05. The ceiling is the matrix-multiply rate measured in this run.
-#
-# How we time: a backward is timed alone, as ``torch.autograd.grad`` of one forward's
-# output, by GPU time (replayed from a CUDA graph after an L2 flush) and back to back
-# (many calls in a row), in passes, shown as a range where they spread; the
-# :doc:`performance page <../performance>` gives the method ("How we time"). Under the
-# interpreter the numbers only illustrate.
+# SDPA's cuDNN and flash backends (the math backend under the interpreter) and lesson
+# 05's v1 kernel. The ceiling is the matrix-multiply rate measured in this run. How we
+# time: a backward alone, as ``torch.autograd.grad`` of one forward's output, by GPU
+# time (a CUDA graph replayed after an L2 flush) and back to back (many calls in a
+# row), in passes, a range where they spread; the :doc:`performance page
+# <../performance>` gives the method. Under the interpreter the numbers only illustrate.
 
 OURS = V2.OURS
 ATOMIC = "Triton v2, atomic dQ"  # the backward with FlashAttention-2's atomic additions
@@ -581,9 +582,16 @@ if __name__ == "__main__":
 kit.rates_table(results, V2.INDEX, "TFLOP/s") if __name__ == "__main__" else None
 
 # %%
+# The same calls back to back, as a loop sees them, which "back to back" below reads
+# (on a GPU; under the interpreter the table above is already wall-clock time).
+
+(kit.rates_table(results, V2.INDEX, "TFLOP/s", value="value")
+ if __name__ == "__main__" and kit.ON_GPU else None)
+
+# %%
 # Reading the numbers
 # -------------------
-# Computed from the table above, in this run: v2 against the fastest PyTorch peer
+# Computed from the tables above, in this run: v2 against the fastest PyTorch peer
 # (cuDNN or flash) and against v1, by GPU time, and back to back where that tells
 # another story; the two ways of finishing :math:`dQ` against each other; the rate at
 # which the two-pass backward really multiplies matrices (it executes seven products
@@ -634,29 +642,52 @@ if __name__ == "__main__":
 # registers a thread may have, before the tiles in flight. A program with half the keys
 # and one warp group of 4 warps holds the same 128 registers of accumulators per
 # thread, but is small enough that two fit on one SM, where each can run its matrix
-# products while the other waits. Which wins is for the sweep to measure.
+# products while the other waits. Which wins is for the sweep to measure; the second
+# line printed below says what ran.
 
 KERNELS = {"dkdv": ("dK, dV", DKDV_TUNER),
            "dkdv-atomic": ("dK, dV (atomic dQ)", DKDV_ATOMIC_TUNER),
            "dq": ("dQ", DQ_TUNER)}
 
+
+def keys_per_program(picks):
+    """A sentence read from picks (lesson 06's tiles_that_ran): the keys per program
+    (BLOCK_N) and warps that each dK, dV kernel ran most, in how many of its cases;
+    "" where neither ran."""
+    said, most = [], set()
+    for name, label in (("dkdv", "the two-pass backward's dK, dV kernel"),
+                        ("dkdv-atomic", "the atomic backward's")):
+        ran = collections.Counter(tile[1:3] for (kernel, _, _), tile in picks.items()
+                                  if kernel == name)
+        if ran:
+            (keys, warps), count = ran.most_common(1)[0]
+            most.add((keys, warps))
+            said.append(f"{label} ran {keys} keys on {warps} warps in {count} of its "
+                        f"{ran.total()} cases")
+    if not said:
+        return ""
+    differ = len(said) == 2 and len(most) == 2
+    return (f"What ran: {'; '.join(said)}"
+            + (": the two backwards chose differently." if differ else "."))
+
+
 if __name__ == "__main__":
-    choices = pd.DataFrame(V2.tiles_that_ran(128, V2.SIZES, KERNELS)).T
+    picks = V2.tiles_that_ran(128, V2.SIZES, KERNELS)
+    choices = pd.DataFrame(V2.tiles_table(picks, KERNELS)).T
     print(V2.where_tiles_came_from(list(KERNELS)))
+    if picks:
+        print(keys_per_program(picks))
 
 choices if __name__ == "__main__" and not choices.empty else None
 
 # %%
 # Exercises
 # ---------
-# Each exercise comes with a check: call it on your function, and it compares your
-# answer with a float64 reference on fresh random inputs, raising ``AssertionError``
-# at the first wrong element, with how far off it is (NaN is wrong), or saying that
-# all is right.
-#
-# Write each attempt in a new cell at the end of this lesson's notebook (linked at the
-# end of the page), below the checks, and call its check as the exercise shows; or in a
-# file next to the lessons that loads this one first:
+# Each check compares your answer with a float64 reference on fresh random inputs,
+# raising ``AssertionError`` at the first wrong element, with how far off it is (NaN is
+# wrong), or says that all is right. Write each attempt in a new cell at the end of this
+# lesson's notebook (linked at the end of the page) and call its check as the exercise
+# shows; or in a file next to the lessons that loads this one first:
 #
 # .. code-block:: python
 #
@@ -679,7 +710,7 @@ choices if __name__ == "__main__" and not choices.empty else None
 #    :math:`O`. Then ``check_dv_only(dv_only)``: fp16 and bf16, causal and not, at
 #    lengths no block size divides; on a GPU it also prints your kernel's time beside
 #    this lesson's whole backward (reported, not required). How many matrix products
-#    per block pair are left?
+#    per block pair are left? Check your count with ``check_dv_products(count)``.
 
 
 def check_one_row_backward(fn):
@@ -739,3 +770,21 @@ def check_dv_only(fn):
     print(f"dv_only, B, H, N, D = 4, 32, 4096, 64, fp16, non-causal: yours takes "
           f"{ms['yours'] / ms['backward']:.2f}x the time of this lesson's whole "
           "backward (dQ, dK and dV), by GPU time.")
+
+
+# The answer, hashed, so that the page does not print it.
+_DV_PRODUCTS = "b52cb231ae055a2c6629d06cfe22a090c4ed3f0e50a91709928477dbb4344783"
+
+
+def check_dv_products(count):
+    """Your count of the matrix products per block pair left in dv_only: right or
+    wrong, never the number."""
+    if isinstance(count, bool) or not isinstance(count, numbers.Integral):
+        raise AssertionError(f"check_dv_products: give a whole number, got {count!r}")
+    digest = hashlib.sha256(f"dv_only products: {int(count)}".encode()).hexdigest()
+    if digest != _DV_PRODUCTS:
+        raise AssertionError(
+            f"check_dv_products: dv_only does not need {count} products per block "
+            "pair. Hint: of the products in the dK, dV kernel's loop, keep dV = P^T dO "
+            "and what it is computed from (P is not stored).")
+    print(f"check_dv_products: right, {count} matrix products per block pair.")
