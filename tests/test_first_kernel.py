@@ -203,3 +203,133 @@ def test_the_diagram_draws_the_grid_the_blocks_and_the_masked_tail():
     for n, block in [(0, 4), (13, 0), (100, 64)]:
         with pytest.raises(ValueError, match="small launch"):
             kit.draw_programs_and_blocks(n, block)
+
+
+# -- Printing from the GPU: what C writes to file descriptor 1 ---------------------------------------------
+
+
+def test_c_printed_captures_what_c_writes_to_descriptor_1_and_restores_it(capfd):
+    """The GPU's printf lands on file descriptor 1 through C's buffered stdout, which a page never sees:
+    c_printed collects it, C's buffer flushed, and puts descriptor 1 back."""
+    import ctypes
+    import os
+
+    libc = ctypes.CDLL(None)
+
+    def write():
+        os.write(1, b"raw write\n")
+        libc.printf(b"buffered %d\n", 42)  # C buffers it when descriptor 1 is not a terminal
+
+    print("printed before", flush=True)
+    assert LESSON.c_printed(write).splitlines() == ["raw write", "buffered 42"]
+    os.write(1, b"after\n")
+    out = capfd.readouterr().out
+    assert "printed before" in out and "after" in out and "raw write" not in out
+
+
+def test_c_printed_puts_descriptor_1_back_when_the_call_raises(capfd):
+    import os
+
+    def fail():
+        os.write(1, b"lost\n")
+        raise RuntimeError("the launch failed")
+
+    with pytest.raises(RuntimeError, match="the launch failed"):
+        LESSON.c_printed(fail)
+    os.write(1, b"still here\n")
+    out = capfd.readouterr().out
+    assert "still here" in out and "lost" not in out
+
+
+# -- In a loop: the verdict on back-to-back rates against the peer -----------------------------------------
+
+
+def two_tables(gpu_ours, b2b_ours, peer=100.0, sizes=(16384, 131072, 1048576, 67108864)):
+    """(by GPU time, back to back): rates of ours and a peer at 100 GB/s, an "N" index."""
+    import pandas as pd
+
+    def table(ours):
+        return pd.DataFrame({"ours": ours, "peer": [peer] * len(ours)}, index=pd.Index(sizes, name="N"))
+
+    return table(gpu_ours), table(b2b_ours)
+
+
+def test_the_loop_verdict_names_where_ours_falls_behind_only_in_a_loop():
+    """The H100 build's shape: level with torch.add by GPU time, 0.26x to 0.35x of it back to back at small N."""
+    gpu, b2b = two_tables([109.0, 101.0, 101.0, 100.0], [30.0, 35.0, 26.0, 99.0])
+    line = kit.loop_verdict(gpu, b2b, "ours", ["peer"])
+    assert "runs at 0.26x to 0.35x peer at N = 16384, 131072, 1048576," in line
+    assert "by GPU time it runs at 1.01x to 1.09x" in line
+    assert "host" in line and "lesson 12" in line and "67108864" not in line
+
+
+def test_the_loop_verdict_blames_no_host_where_the_gpu_time_is_as_far_behind():
+    """Behind the peer back to back, but as far behind by GPU time: the kernel, not the loop, is slower."""
+    gpu, b2b = two_tables([50.0, 50.0, 92.0, 100.0], [48.0, 47.0, 95.0, 100.0])
+    line = kit.loop_verdict(gpu, b2b, "ours", ["peer"])
+    assert line.startswith("Back to back, as a loop calls them, ours runs at 0.47x to 1.00x peer:")
+    assert "within 10%" in line and "host" not in line
+
+
+def test_the_loop_verdict_reads_the_fastest_of_several_peers_by_case():
+    import pandas as pd
+
+    index = pd.MultiIndex.from_tuples([("float32", 256), ("float32", 4096), ("bfloat16", 256)], names=["dtype", "N"])
+    gpu = pd.DataFrame({"ours": [100.0, 100.0, 100.0], "a": [100.0, 60.0, 90.0], "b": [50.0, 100.0, 95.0]},
+                       index=index)
+    b2b = pd.DataFrame({"ours": [20.0, 100.0, 30.0], "a": [100.0, 60.0, 20.0], "b": [40.0, 100.0, 100.0]},
+                       index=index)
+    line = kit.loop_verdict(gpu, b2b, "ours", ["a", "b"])
+    assert "0.20x to 0.30x the fastest of a, b at float32, N = 256; bfloat16, N = 256," in line
+    assert "by GPU time it runs at 1.00x to 1.05x" in line
+
+
+def test_the_loop_verdict_says_nothing_under_the_interpreter():
+    gpu, _ = two_tables([1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 4.0])
+    assert kit.loop_verdict(gpu, gpu, "ours", ["peer"]) == ""  # one wall-clock table for both
+
+
+def test_cases_are_named_by_their_last_level_within_the_others():
+    import pandas as pd
+
+    assert kit.name_cases(pd.Index([1024, 2048], name="N")) == "N = 1024, 2048"
+    index = pd.MultiIndex.from_tuples([("float32", 256), ("float32", 512), ("bfloat16", 256)], names=["dtype", "N"])
+    assert kit.name_cases(index) == "float32, N = 256, 512; bfloat16, N = 256"
+
+
+# -- The figure: ours in sight above the peers -------------------------------------------------------------
+
+
+def test_the_rates_figure_draws_ours_above_the_peers_on_a_log_axis():
+    """Lesson 01's figure: Triton add on top of torch.add and the copy, with hollow markers that leave the peer's
+    markers in sight where the curves meet; a log rate axis; sizes labelled where the labels fit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    sizes = [2**13, 12288, 2**14, 2**17]
+    table = pd.DataFrame({"Triton add": [39.4, 50.0, 60.0, 271.0], "torch.add": [36.1, 50.0, 60.0, 269.0],
+                          kit.SAME_BYTES: [38.9, 50.0, 60.0, 260.0]}, index=pd.Index(sizes, name="N"))
+    fig = kit.plot_rates(table, 3000.0, "large-buffer copy", "GB/s", "t", [LESSON.OURS], log_y=True)
+    ax = fig.axes[0]
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    ours, peer, copy = lines["Triton add"], lines["torch.add"], lines[kit.SAME_BYTES]
+    assert ours.get_zorder() > peer.get_zorder() and ours.get_zorder() > copy.get_zorder()
+    assert ours.get_markerfacecolor() == "none" and ours.get_markersize() > peer.get_markersize()
+    assert ours.get_color() != peer.get_color() and copy.get_linestyle() == ":"
+    assert ax.get_yscale() == "log"
+    fig.canvas.draw()
+    labels = [label.get_text() for label in ax.get_xticklabels()]
+    assert labels == ["8192", "", "16384", "131072"]  # 12288 keeps its tick, not a label that would overlap
+    plt.close(fig)
+
+
+def test_two_of_ours_on_one_curve_both_stay_in_sight():
+    """Lesson 02's two Triton kernels run one kernel from LONG_ROW on: the second is drawn above the first,
+    narrower, so the first shows around it."""
+    first, second = (kit.line_style(name, ["a", "b"]) for name in "ab")
+    assert second["zorder"] > first["zorder"]
+    assert second["linewidth"] < first["linewidth"] and second["markersize"] < first["markersize"]
+    assert first["color"] != second["color"]

@@ -17,7 +17,7 @@ You will learn:
   ``other=``, ``tl.constexpr``, ``kernel[grid](...)`` and ``triton.cdiv``;
 * how to run a kernel on a CPU with the Triton interpreter, and print from inside it;
 * how to check a kernel against float64, and judge a memory-bound kernel's speed
-  against a copy of the same bytes.
+  against a copy of the same bytes, on the GPU and in a loop.
 """
 
 # %%
@@ -127,9 +127,13 @@ if __name__ == "__main__":
 # -----------------------------
 # ``tl.device_print(prefix, value)`` prints as each program runs; under the
 # interpreter a kernel is plain Python, so ``print`` and breakpoints work too. On a
-# GPU every *thread* prints each element it holds (32 lines or more per program) into
-# a buffer that reaches the process's output when the GPU synchronizes: a terminal
-# shows it, a notebook may not. ``tl.static_print`` prints at compile time (under the
+# GPU every *thread* prints each element it holds (32 lines or more per program, the
+# same line from each thread that holds a copy) into a buffer that the GPU hands over
+# when it synchronizes. C's ``printf`` then writes it to the process's standard output
+# (file descriptor 1), which a terminal shows but a notebook or this page does not:
+# they capture only Python's ``sys.stdout``. So below, on a GPU, the lines written to
+# descriptor 1 during the synchronization are collected and printed through Python,
+# each distinct line once. ``tl.static_print`` prints at compile time (under the
 # interpreter, in each program): constexprs only. Two programs, 6 elements, blocks of 4:
 
 
@@ -142,10 +146,35 @@ def where_am_i_kernel(n, BLOCK: tl.constexpr):
     tl.device_print("offsets, -1 where masked", shown)
 
 
+def c_printed(run):
+    """Call run() and return, as text, what it wrote to file descriptor 1, C's
+    standard output: where the GPU's printing lands, which notebooks and this page
+    never see, since they replace only Python's sys.stdout."""
+    import ctypes
+    import os
+    import sys
+    import tempfile
+
+    sys.stdout.flush()  # what Python printed before stays out of the capture
+    saved = os.dup(1)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 1)
+        try:
+            run()
+        finally:
+            ctypes.CDLL(None).fflush(None)  # C buffers its output when not a terminal
+            os.dup2(saved, 1)
+            os.close(saved)
+        captured.seek(0)
+        return captured.read().decode(errors="replace")
+
+
 if __name__ == "__main__":
     where_am_i_kernel[(2,)](6, BLOCK=4, num_warps=1)
-    if kit.ON_GPU:
-        torch.cuda.synchronize()  # the printed lines leave the GPU here
+    if kit.ON_GPU:  # the printed lines leave the GPU at the synchronization
+        lines = c_printed(torch.cuda.synchronize).splitlines()
+        print(f"{len(lines)} lines from the GPU's threads, {len(set(lines))} distinct:")
+        print("\n".join(sorted(set(lines))))
 
 # %%
 # The launcher
@@ -175,7 +204,7 @@ def add(x, y, block=1024):
     n = x.numel()
     if triton.cdiv(n, block) * block > 2**31:
         raise ValueError(f"add computes 32-bit offsets: {n} elements are too many")
-    # A negative view (torch._neg_view) only carries a flag; a kernel reads memory.
+    # resolved: values of views that PyTorch negates on read (lesson 02 explains)
     x, y = (t.contiguous() for t in kit.resolved(x, y))
     out = torch.empty_like(x)
     if n:  # a grid of no programs is not launched
@@ -207,10 +236,10 @@ if __name__ == "__main__":
 # a copy of the same bytes, ``1.5 n`` elements read and written (``3n`` moved, as by
 # the addition), timed at each size in the same run: a reference, not a ceiling, since
 # reads and writes need not cost the same. Beside it, ``torch.add``; speeds are GB/s
-# of ``12 n`` bytes. How we time: as the :doc:`performance page <../performance>`
-# defines in "How we time": *GPU time*, the call replayed from a CUDA graph after an
-# L2 flush, and *back to back*, calls enqueued in a row. The lines below read GPU time;
-# under the interpreter both are wall-clock times of NumPy on the CPU: illustrative.
+# of ``12 n`` bytes. Each call is timed two ways (the :doc:`performance page
+# <../performance>` gives the details): *GPU time*, the call replayed from a CUDA graph
+# after an L2 flush, and *back to back*, calls enqueued in a row, as a loop makes them.
+# Under the interpreter both are wall-clock times of NumPy on the CPU: illustrative.
 
 OURS, PEERS = "Triton add", ["torch.add"]
 
@@ -239,23 +268,46 @@ kit.rates_table(results, ["N"], "GB/s") if __name__ == "__main__" else None
 
 # %%
 # Each provider as a fraction of the copy of the same bytes, from the table just
-# above; then the same numbers against N, the large-buffer copy bandwidth dashed. On a
-# GPU a launch costs time whatever it moves, so at small lengths even the copy stays
-# below that line; on a CPU, small tensors stay in the caches and can pass it.
+# above; then the same numbers against N (a log scale: they span decades), the
+# large-buffer copy bandwidth dashed. On a GPU a launch costs time whatever it moves,
+# so at small lengths even the copy stays below that line; on a CPU, small tensors stay
+# in the caches and can pass it.
 
 if __name__ == "__main__":
     for n in sizes:
         of_copy = gpu.loc[n, [OURS, *PEERS]] / gpu.at[n, kit.SAME_BYTES]
         shown = ", ".join(f"{p} {100 * f:.3g}%" for p, f in of_copy.items())
         print(f"N = {n:10,}: {shown} of the copy")
-    print(kit.b2b_overview(gpu, b2b) or "Interpreter timings: illustrative only.")
     kit.save_results("01-first-kernel", [dict(
         name="vector add, fp32", unit="GB/s", ceiling_name="copy bandwidth",
         ceiling=copy_gbs, ceiling_per_case=kit.SAME_BYTES, ours=[OURS], peers=PEERS,
         rows=results.to_dict("records"))])  # fmt: skip
     title = "Vector add, fp32: GB/s against the copy bandwidth"
-    kit.plot_rates(gpu, copy_gbs, "large-buffer copy", "GB/s", title, [OURS])
+    kit.plot_rates(gpu, copy_gbs, "large-buffer copy", "GB/s", title, [OURS], True)
     plt.show()
+
+# %%
+# In a loop
+# ---------
+# GPU time leaves the host out: the Python of ``add`` with its checks, then Triton's
+# launch of the kernel, which every call pays before the GPU starts on it. Back to
+# back, a call takes about the longer of its host time and its GPU time, so a kernel
+# the GPU runs as fast as ``torch.add`` can still run slower in a loop. The same rates,
+# back to back (under the interpreter, the wall-clock times above again):
+
+kit.rates_table(results, ["N"], "GB/s", "value") if __name__ == "__main__" else None
+
+# %%
+# Where ours falls behind ``torch.add`` in a loop, and by how much, read from the
+# table just above and the one by GPU time; then every provider's two rates compared:
+
+
+if __name__ == "__main__":
+    if kit.ON_GPU:
+        print(kit.loop_verdict(gpu, b2b, OURS, PEERS))
+        print(kit.b2b_overview(gpu, b2b))
+    else:
+        print("Interpreter timings: illustrative only.")
 
 # %%
 # Exercises

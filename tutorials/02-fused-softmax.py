@@ -30,12 +30,8 @@ You will learn:
 # %%
 # Where the kernels run
 # ---------------------
-# With a CUDA GPU, Triton compiles the kernels for it. Without one, the same kernels run
-# through the Triton interpreter on the CPU, at small sizes. The interpreter is switched
-# on by an environment variable, ``TRITON_INTERPRET=1``, that Triton reads when
-# ``@triton.jit`` runs, so it must be set *before* the first kernel is defined: setting
-# it later has no effect, a pitfall worth remembering. ``stepkit``, the module beside
-# the lessons, makes that choice when it is imported, so it comes before Triton.
+# As in lesson 01, ``stepkit``, imported before Triton, picks a CUDA GPU where there is
+# one, and otherwise the Triton interpreter on the CPU, at small sizes.
 
 import torch
 
@@ -94,33 +90,28 @@ def softmax_row_kernel(
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride can pass 2**31
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
-    x = tl.load(
-        x_ptr + row * x_row_stride + cols * x_col_stride,
-        mask=mask,
-        other=-float("inf"),
-    )
-    x = x.to(tl.float32)
+    x = tl.load(x_ptr + row * x_row_stride + cols * x_col_stride, mask=mask,
+                other=-float("inf")).to(tl.float32)  # fmt: skip
     numerator = tl.exp(x - tl.max(x, axis=0))
     y = numerator / tl.sum(numerator, axis=0)
     tl.store(y_ptr + row * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # %%
-# Two details deserve a word. The math is fp32 even for fp16 and bf16 inputs: the sum of
-# thousands of small terms in 16-bit precision would lose most of its digits, and the
-# conversion costs nothing next to the memory traffic. And the column stride is a
-# parameter: a kernel that assumed contiguous rows would silently compute garbage on a
-# transposed view, while Triton specializes a stride equal to 1 at compile time, so the
-# common case still gets wide, vectorized loads.
+# The math is fp32 even for fp16 and bf16 inputs: a sum of thousands of small terms in
+# 16-bit precision would lose most of its digits, and converting costs nothing next to
+# the memory traffic. The column stride is a parameter: a kernel assuming contiguous
+# rows would compute garbage on a transposed view, and Triton specializes a stride of 1
+# at compile time, so the common case still gets wide, vectorized loads.
 #
 # The launch helpers
 # ------------------
-# A kernel that receives a bad pointer does not raise: it computes nonsense or crashes
-# the process. So every launcher first checks its input, and resolves one kind of tensor
-# that looks fine but is not: a *negative view* (``torch._neg_view(x)``, or
-# ``x.conj().imag`` of a complex tensor) shares its memory with the un-negated values
-# and only carries a flag saying "negate on read". A kernel reads raw memory and would
-# never see the flag, so the launcher materializes such a view first. Offsets are a
+# A kernel handed a bad pointer does not raise: it computes nonsense or crashes the
+# process. So every launcher checks its input, and resolves a tensor that looks fine
+# but is not: a *negative view* (``torch._neg_view(x)``, or ``x.conj().imag`` of a
+# complex tensor) shares its memory with the un-negated values and only carries a flag,
+# "negate on read". A kernel reads raw memory, never the flag, so the launcher
+# materializes such a view first (lesson 01's ``add`` does too). Offsets are a
 # second trap: an element's address is ``row * row_stride + column * column_stride``,
 # and an int32 product wraps past :math:`2^{31}`. The kernels compute the row part in
 # int64 (a tall tensor passes that easily) and the per-element column part in int32, the
@@ -128,19 +119,16 @@ def softmax_row_kernel(
 # contiguous layout first (``kit.int32_columns``).
 #
 # A row must fit in one program's registers. A program runs on one streaming
-# multiprocessor (SM), which runs several programs at once and shares its 65,536 32-bit
-# registers among them; a program has at most 1,024 threads, so even alone on the SM it
-# gets at most 64 registers per thread. A row of 32,768 fp32 values takes 32 of them per
-# thread and leaves room for addresses and temporaries; a row of 65,536 would need all
-# 64 for the values alone, and the compiler would *spill* the rest to local memory,
-# which is device memory behind the caches. (Lesson 03 compiles such a kernel on the GPU
-# at hand and prints the registers and spills it gets.) The launchers therefore refuse
-# rows longer than ``FUSED_LIMIT`` with an error that points to the next lesson, which
-# handles rows of any length and measures a one-program kernel up to the limit.
+# multiprocessor (SM), which shares its 65,536 32-bit registers among the programs it
+# runs; a program has at most 1,024 threads, so even alone it gets at most 64 registers
+# per thread. A row of 32,768 fp32 values takes 32 of them per thread, leaving room for
+# addresses and temporaries; a row of 65,536 would need all 64 for the values alone, and
+# the compiler would *spill* the rest to local memory, device memory behind the caches
+# (lesson 03 prints the registers and spills of such a kernel). The launchers refuse
+# rows longer than ``FUSED_LIMIT``, pointing to the next lesson, for rows of any length.
 #
-# The two helpers below launch the forward pass only. The public, differentiable
-# launchers, ``softmax_one_row_per_program`` and ``softmax``, come with the backward
-# pass further down.
+# The helpers below launch the forward pass only; the public, differentiable launchers,
+# ``softmax_one_row_per_program`` and ``softmax``, come with the backward pass.
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FUSED_LIMIT = 32768  # the longest row (elements) one program's registers hold
@@ -191,9 +179,8 @@ def _one_row_per_program(x):
 # %%
 # Is it correct?
 # --------------
-# Always check a kernel against a trusted reference before timing it. The shape below is
-# deliberately irregular: 1823 rows of 781 columns (not a power of two, so the mask is
-# exercised). The reference is ``torch.softmax`` in float64, and
+# Before timing a kernel, check it: here against ``torch.softmax`` in float64 on 1823
+# rows of 781 columns (not a power of two: the mask is exercised).
 # ``torch.testing.assert_close`` compares element by element, each against a relative
 # and an absolute tolerance, and counts a ``NaN`` as a mismatch.
 
@@ -209,10 +196,9 @@ if __name__ == "__main__":
 # %%
 # Step 2: persistent programs over row tiles
 # ------------------------------------------
-# One program per row has two costs for short rows. A row of 256 fp32 values is 1 KiB,
-# too little work for a program to hide the latency of its own load, and with thousands
-# of rows the GPU starts and retires thousands of tiny programs. The second kernel
-# changes two things:
+# One program per row has two costs for short rows: a row of 256 fp32 values (1 KiB)
+# is too little work to hide the latency of its own load, and thousands of rows make
+# thousands of tiny programs to start and retire. The second kernel changes two things:
 #
 # * each program owns a *tile* of ``BLOCK_M`` rows by ``BLOCK_N`` columns, so a short
 #   row travels with its neighbours;
@@ -221,30 +207,20 @@ if __name__ == "__main__":
 #   ``tl.range(..., num_stages=...)`` lets the compiler issue the load of the next tile
 #   while the current one is still being computed on (software pipelining).
 #
-# Whether this pays off is a question for the benchmark below, which runs both kernels
-# side by side. The loop has a cost in registers: its counters and addresses stay live
-# beside the tile, which matters at the longest rows, where the row alone takes half of
-# them. And a long row needs no neighbours to be worth a program. So the launcher keeps
-# the grid persistent only where a row's power-of-two width is below ``LONG_ROW``
-# elements, and hands longer rows to step 1's kernel, one program per row, which holds
-# its row without the loop (``tools/tune.py softmax`` measured the limit on a GPU; the
-# :doc:`engineering notes <../engineering-notes>` give its numbers). On a GPU the
-# benchmark goes up to 32,768 columns.
+# Whether this pays off is for the benchmark below to say. The loop costs registers:
+# its counters and addresses stay live beside the tile, which matters at the longest
+# rows, where the row alone takes half of them; and a long row needs no neighbours to
+# be worth a program. So the grid is persistent only where a row's power-of-two width
+# is below ``LONG_ROW`` elements; longer rows go to step 1's kernel, which holds its
+# row without the loop (``tools/tune.py softmax`` measured the limit on a GPU; the
+# :doc:`engineering notes <../engineering-notes>` give its numbers).
 
 
 @triton.jit
 def softmax_kernel(
-    x_ptr,
-    y_ptr,
-    M,
-    N,
-    x_row_stride,
-    x_col_stride,
-    y_row_stride,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-):
+    x_ptr, y_ptr, M, N, x_row_stride, x_col_stride, y_row_stride,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
@@ -289,13 +265,11 @@ def softmax_kernel(
 #   programs per SM, the programs already overlap each other's loads.
 # * the grid: *occupancy* is how many programs an SM can host at once, limited by its
 #   registers, its shared memory and its thread slots. We compile the kernel first, read
-#   how many registers and how much shared memory it uses, compute the occupancy, and
-#   launch exactly as many programs as fit at once on all SMs. Each then loops over its
-#   share of the tiles.
+#   the registers and shared memory it uses, and launch exactly as many programs as fit
+#   at once on all SMs. Each then loops over its share of the tiles.
 #
-# These choices were not guessed: ``tools/tune.py softmax`` in this site's repository
-# sweeps tile heights, warps, stages and grid styles on a GPU, and the rules above
-# follow its winners. This page's own run of them is in its benchmark below.
+# These rules follow the winners of ``tools/tune.py softmax`` (in this site's
+# repository), which sweeps tile heights, warps, stages and grid styles on a GPU.
 
 
 def _tile_shape(N):
@@ -373,31 +347,23 @@ if __name__ == "__main__":
 #    dx &= y \circ \big(dy - \operatorname{rowsum}(dy \circ y)\big).
 #
 # The :math:`N \times N` Jacobian is never formed: each row needs one dot product and
-# one element-wise update. The backward needs the *output* :math:`y`, not the input, so
-# the forward saves :math:`y`. Fused like the forward, the backward reads :math:`y` and
-# :math:`dy` once and writes :math:`dx` once, :math:`3MN` elements, the least it can
-# move. The math is fp32 again: the dot product is a sum of :math:`N` terms. A tile now
-# holds two arrays, so the backward runs short of registers sooner than the forward,
-# at the longest rows that the forward still holds.
+# one element-wise update. The backward needs the *output* :math:`y`, which the forward
+# saves. Fused, it reads :math:`y` and :math:`dy` once and writes :math:`dx` once,
+# :math:`3MN` elements, the least it can move. The math is fp32 again (the dot product
+# sums :math:`N` terms). A tile now holds two arrays, so the backward runs short of
+# registers sooner than the forward, at the longest rows that the forward still holds.
 #
-# The backward kernel takes one tile of rows per program and no persistent loop: it is
-# simpler, and this lesson does not benchmark it. ``dy`` comes with any strides
-# (autograd hands over an expanded tensor of stride 0 for ``y.sum().backward()``), so
-# its strides are parameters; ``y`` and ``dx`` are allocated here, contiguous.
+# The backward kernel takes one tile of rows per program, no persistent loop: simpler,
+# and this lesson does not benchmark it. ``dy`` comes with any strides (autograd hands
+# over an expanded tensor of stride 0 for ``y.sum().backward()``), so its strides are
+# parameters; ``y`` and ``dx`` are allocated here, contiguous.
 
 
 @triton.jit
 def softmax_backward_kernel(
-    y_ptr,
-    dy_ptr,
-    dx_ptr,
-    M,
-    N,
-    dy_row_stride,
-    dy_col_stride,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
+    y_ptr, dy_ptr, dx_ptr, M, N, dy_row_stride, dy_col_stride,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
@@ -428,16 +394,14 @@ def softmax_backward(y, dy):
 
 
 # %%
-# ``torch.autograd.Function`` ties the two together: ``forward`` runs one of the forward
-# launchers and saves :math:`y`, ``backward`` runs the kernel above. A tensor computed
-# by a Triton kernel has no autograd history of its own, so without this wrapper
-# ``softmax(x)`` of an ``x`` that requires a gradient would return an output with no
-# graph, and a loss built on it would silently never reach ``x``. The wrapper is skipped
-# when no graph is wanted, so that calls without one, such as the benchmark's, pay
-# nothing for it. The backward is marked ``once_differentiable``: it builds no graph of
-# its own, so asking for a second derivative through it raises an error instead of
-# silently treating the first derivative as a constant. The backward launcher is a
-# parameter: the next lesson plugs its own, for rows of any length, into this wrapper.
+# ``torch.autograd.Function`` ties the two together: ``forward`` runs a forward
+# launcher and saves :math:`y`, ``backward`` runs the kernel above. A Triton kernel's
+# output has no autograd history, so without this wrapper a loss built on ``softmax(x)``
+# would silently never reach ``x``. Calls that want no graph, such as the benchmark's,
+# skip the wrapper and pay nothing for it. ``once_differentiable``: the backward builds
+# no graph, so a second derivative through it raises an error instead of silently
+# treating the first as a constant. The next lesson plugs its own backward launcher,
+# for rows of any length, into this wrapper.
 
 
 class _Softmax(torch.autograd.Function):
@@ -496,38 +460,31 @@ if __name__ == "__main__":
 # Benchmark
 # ---------
 # On a GPU each provider runs at :math:`M = 4096` rows and a range of row lengths (under
-# the interpreter, at the few small sizes of the table below). Speed is given as
-# effective bandwidth, :math:`2MN \times` the element size over the time: the bytes a
-# perfect fused kernel must move. Two copies give the scale, both measured in the same
-# run:
+# the interpreter, a few small sizes). Speed is effective bandwidth, :math:`2MN \times`
+# the element size over the time: the bytes a perfect fused kernel must move. Two
+# copies give the scale, both measured in the same run:
 #
-# * a device-to-device copy of a large buffer (256 MiB on a GPU), far bigger than the
-#   caches: the best estimate this page has of what the memory system sustains. It is
-#   an estimate, not a bound: it is itself a kernel, measured with its own overheads.
-# * a copy of *the same tensor* at each size, since on a GPU, for small inputs,
-#   launching a kernel and ramping the memory system up and down take a fixed few
-#   microseconds, and even a plain copy falls short of the large-buffer figure there.
-#   (On a CPU a small tensor sits in the caches and its copy can beat the large
-#   buffer's many times over.) This is a reference, not a ceiling: it measures
-#   PyTorch's copy (for contiguous tensors of one dtype, the CUDA driver's
-#   device-to-device ``memcpy``), whose launch shape is chosen for copies in general,
-#   not for this size. A kernel that keeps more loads in flight per thread, or spreads
-#   its last wave of programs differently, can finish sooner at some sizes; the
-#   sentences under the table count where that happened in this run.
+# * a copy of a large buffer (256 MiB on a GPU), far bigger than the caches: the best
+#   estimate this page has of what the memory system sustains (itself a kernel with
+#   its own overheads: an estimate, not a bound);
+# * a copy of *the same tensor* at each size: for small inputs, launching a kernel and
+#   ramping the memory system up and down take a fixed few microseconds, and even a
+#   copy falls short of the large-buffer figure (on a CPU a small tensor sits in the
+#   caches, and its copy can beat it). A reference, not a ceiling: PyTorch's copy
+#   (the CUDA driver's ``memcpy``) has a launch shape chosen for copies in general, so
+#   a kernel can finish sooner at some sizes, and the copy itself can dip.
 #
-# How we time: every provider, the copies included, is timed the same way, as the
-# :doc:`performance page <../performance>` defines in "How we time": *GPU time*, the
-# call replayed from a CUDA graph after the L2 cache is flushed, and *back to back*,
-# calls enqueued from Python one after another, which is what a loop sees. The table
-# and the sentences read GPU time; the last sentence says where back to back differs.
+# Each provider, the copies included, is timed two ways (the :doc:`performance page
+# <../performance>` gives the details): *GPU time*, the call replayed from a CUDA graph
+# after an L2 flush, and *back to back*, calls enqueued in a row, as a loop makes them.
 # Under the interpreter both are wall-clock times of NumPy on the CPU: illustrative.
-# ``torch.compile`` fuses the naive version into generated Triton code. It compiles once
-# per shape, which takes seconds on a GPU; on a CPU it would generate C++ instead, which
-# says nothing about Triton, so it only runs on a GPU.
+# ``torch.compile`` fuses the naive version into Triton code, compiled per shape; it
+# runs only on a GPU (on a CPU it would generate C++, which says nothing of Triton).
 
 ONE_ROW = "Triton, one row per program"
 PERSISTENT = "Triton, row tiles (step 2)"
 OURS = (PERSISTENT, ONE_ROW)
+INDEX = ["dtype", "N"]  # a case of the benchmark
 
 
 def providers(x):
@@ -560,22 +517,90 @@ if __name__ == "__main__":
 # %%
 # The results
 # -----------
-# Every provider's speed in GB/s at each row length, by GPU time, in this run (whole
-# GB/s on a GPU; the interpreter's tiny figures keep three significant digits; a range
-# where a provider's timings spread by more than 10%):
+# Every provider's GB/s at each row length by GPU time, in this run (three significant
+# digits under the interpreter; a range where its timings spread by more than 10%):
 
-kit.rates_table(results, ["dtype", "N"], "GB/s") if __name__ == "__main__" else None
+kit.rates_table(results, INDEX, "GB/s") if __name__ == "__main__" else None
+
+# %%
+# The same rates back to back, calls enqueued in a row as a loop makes them (under the
+# interpreter, the wall-clock times above again):
+
+kit.rates_table(results, INDEX, "GB/s", "value") if __name__ == "__main__" else None
 
 # %%
 # What the numbers say
 # --------------------
-# Computed from the table just above, in this run.
+# Computed from the two tables just above, in this run. Two measures of noise appear:
+# a case's *spread*, how far one provider's two fastest timings differ (median and
+# largest in the last line), and the *noise floor*, the largest gap between the two
+# Triton kernels where they run the same kernel: how far two providers' timings of one
+# kernel drift apart, so a gain of one kernel over the other counts only past it.
 
 
 def span(r, fmt, unit=""):
     """'lowest (at its case) to highest (at its case)' of a ratio over the cases."""
     at = {key: f"{r[key]:{fmt}}{unit} (at {key[0]}, N = {key[1]})" for key in r.index}
     return f"{at[r.idxmin()]} to {at[r.idxmax()]}"
+
+
+def versus_naive(ratio, copy_share, limit=kit.SPREAD_LIMIT):
+    """A sentence: step 2's speed over the naive version's (ratio, by case) against
+    the byte count's 4x, explained where more than limit off; copy_share: the copy
+    of the same tensor's fraction of the large-buffer copy, by case."""
+    high, low = ratio > 4 * (1 + limit), ratio < 4 * (1 - limit)
+    line = (
+        f"Step 2 vs. naive PyTorch: {ratio.min():.1f}x to {ratio.max():.1f}x; the "
+        "byte count predicts about 4x."
+    )
+    if high.any():
+        line += (
+            f" More than {limit:.0%} above it at {high.sum()} of {len(ratio)} sizes: "
+            "the naive version's kernels move their bytes slower than step 2."
+        )
+    if low.any():
+        share, cases = copy_share[low], kit.name_cases(ratio[low].index)
+        why = "too few bytes to keep the memory system busy, and times are not "
+        why += "proportional to bytes, as the count assumes"
+        line += (
+            f" More than {limit:.0%} below it at {cases}, where the copy of the "
+            f"same tensor reaches {share.min():.0%} to {share.max():.0%} of the "
+            "large-buffer copy: "
+            + (why if share.max() < 1 - limit else "the count does not explain it")
+            + "."
+        )
+    return line
+
+
+def reference_dips(table, copy_gbs, ours=PERSISTENT, limit=kit.SPREAD_LIMIT):
+    """A sentence: the cases (dtype, N; N ascending) where the copy of the same tensor
+    runs more than limit below copy_gbs, the large-buffer copy, with ours' fraction of
+    copy_gbs; apart, its dips: more than limit slower than at a shorter row."""
+    copy, share = table[kit.SAME_BYTES], table[ours] / copy_gbs
+    low = copy < (1 - limit) * copy_gbs
+    if not low.any():
+        return f"That copy is nowhere more than {limit:.0%} below the large-buffer one."
+    fastest = copy.groupby(level="dtype", sort=False).cummax()
+    shorter = fastest.groupby(level="dtype", sort=False).shift()  # at shorter rows
+    dip = low & (copy < (1 - limit) * shorter)
+    line = (
+        f"That copy runs more than {limit:.0%} below the large-buffer one at "
+        f"{kit.name_cases(copy[low].index)}"
+    )
+    if (low & ~dip).any():
+        there = share[low & ~dip]
+        line += (
+            f"; step 2 reaches {there.min():.0%} to {there.max():.0%} of the "
+            "large-buffer copy there" + (" (the dips apart)" if dip.any() else "")
+        )
+    for key in dip[dip].index:
+        line += (
+            f". At {key[0]}, N = {key[1]} it ran at {copy[key] / shorter[key]:.0%} "
+            "of its speed at a shorter row: the reference itself dipped, so step "
+            f"2's {table[ours][key] / copy[key]:.0%} of it is {share[key]:.0%} of "
+            "the large-buffer copy"
+        )
+    return line + "."
 
 
 if __name__ == "__main__":
@@ -587,31 +612,19 @@ if __name__ == "__main__":
     print(f"What persistence buys, {gain}")
     speedup = table[PERSISTENT] / table[peers].max(axis=1)
     print(f"Step 2 vs. the best of {', '.join(peers)}: {span(speedup, '.2f', 'x')}.")
-    naive = table[PERSISTENT] / table["naive PyTorch"]
-    print(
-        f"Step 2 vs. naive PyTorch: {naive.min():.1f}x to {naive.max():.1f}x (the "
-        "byte count predicts about 4x on a GPU; more than that means the naive "
-        "version's own kernels move their bytes slower than step 2 moves its own)."
-    )
+    small = table[kit.SAME_BYTES] / copy_gbs
+    print(versus_naive(table[PERSISTENT] / table["naive PyTorch"], small))
     fraction = table[PERSISTENT] / copy_gbs
     print(f"Step 2 reaches {span(fraction, '.0%')} of the large-buffer bandwidth.")
-    small = table[kit.SAME_BYTES] / copy_gbs
     same = table[PERSISTENT] / table[kit.SAME_BYTES]
     print(
         f"A copy of the same tensor reaches {span(small, '.0%')} of the large-buffer "
         f"bandwidth; against it, step 2 reaches {span(same, '.0%')}, at least 95% "
         f"at {(same >= 0.95).sum()} of {len(same)} sizes."
     )
+    print(reference_dips(table, copy_gbs))
     if kit.ON_GPU:
-        loop = b2b[PERSISTENT] / b2b[kit.SAME_BYTES]
-        host = b2b[PERSISTENT] / table[PERSISTENT]
-        print(
-            f"Back to back, as a loop sees it, step 2 reaches {span(loop, '.0%')} of "
-            f"the copy timed the same way, and {span(host, '.0%')} of its speed by "
-            "GPU time: above 100% where the input stays in the L2 cache from one "
-            "call to the next (GPU time flushes it), below where calls in a row go "
-            "slower than the GPU runs them."
-        )
+        print(kit.loop_verdict(table, b2b, PERSISTENT, peers))
         print(kit.spread_summary(results))
     else:
         print("Interpreter timings: the ratios measure NumPy on the CPU, illustrative.")
@@ -624,11 +637,9 @@ if __name__ == "__main__":
 # %%
 # How close to the memory system?
 # -------------------------------
-# The same numbers as the results table above, one panel per dtype. The dashed line is
-# the large-buffer copy bandwidth, drawn behind the curves; the dotted grey curve is the
-# copy of the same tensor. From ``LONG_ROW`` columns on, the two Triton curves run the
-# same kernel: the gap between them there is how far two timings of one kernel differ
-# in this run.
+# The GPU-time table above, one panel per dtype: the large-buffer copy bandwidth
+# dashed, the copy of the same tensor dotted. From ``LONG_ROW`` columns on, the two
+# Triton curves run the same kernel: their largest gap there is the noise floor.
 
 if __name__ == "__main__":
     title = f"Softmax, M = {M} rows: speed against the copy bandwidth"
@@ -647,38 +658,27 @@ if __name__ == "__main__":
     ax.axhline(1, color="black", linestyle="--", linewidth=1, label="equal speed")
     for dtype, ratio in persistence.groupby(level="dtype", sort=False):
         ratio.droplevel("dtype").plot(ax=ax, marker="o", logx=True, label=dtype)
-    short = [n for n in sizes if n < LONG_ROW]
-    ax.set_xticks(short, [str(n) for n in short], rotation=45, minor=False)
-    ax.minorticks_off()
-    ax.set(xlabel="N (row length)", ylabel="speed ratio")
-    ax.set_title("persistent row tiles / one program per row")
+    kit.label_sizes(ax, [n for n in sizes if n < LONG_ROW], rotation=45)
+    title = "persistent row tiles / one program per row"
+    ax.set(xlabel="N (row length)", ylabel="speed ratio", title=title)
     ax.legend()
     fig.tight_layout()
     plt.show()
 
 # %%
-# On a GPU, expect the fused kernels to be a few times faster than the naive version, as
-# the byte count predicts, and to come close to the copy bandwidth once rows are long
-# enough to keep the memory system busy; the lines printed under the table say how
-# close they came in this run, and at which sizes persistence helped and at which it
-# did not. For short rows even a copy of the same tensor stays far below the dashed
-# line: so little data cannot keep the memory system busy. What is left between a
-# kernel and that copy is the kernel's own cost of starting and finishing each tile:
-# loads cannot start before the program knows its addresses, and the store of a row
-# waits for its reductions.
+# Where a fused kernel trails the copy of the same tensor, the gap is the kernel's own
+# cost of starting and finishing each tile: loads cannot start before a program knows
+# its addresses, and the store of a row waits for its reductions.
 #
 # Exercises
 # ---------
-# Each exercise comes with a check that runs your function on fresh random inputs of
-# irregular shapes in fp32, fp16 and bf16 (strided views, and a strided ``dy`` for the
-# gradient), checks that it leaves its inputs as they were and compares it with a
-# float64 reference, element by element (``NaN`` fails). It raises ``AssertionError``
-# naming the case, the first wrong element and how far off it is, or prints a line
-# saying the function passed. Solutions are not given here.
-#
-# Write each attempt in a new cell at the end of this lesson's notebook (linked at the
-# end of the page), below the checks, and call its check as the exercise shows; or in a
-# file next to the lessons that loads this one first:
+# Each check runs your function on fresh random inputs of irregular shapes in fp32,
+# fp16 and bf16 (strided views, a strided ``dy`` for the gradient), checks that it
+# leaves its inputs as they were and compares it with float64, element by element
+# (``NaN`` fails): it raises ``AssertionError`` naming the case, the first wrong
+# element and how far off it is, or prints that the function passed. Write each attempt
+# in a new cell at the end of this lesson's notebook (linked at the end of the page),
+# below the checks, and call its check as shown; or in a file next to the lessons:
 #
 # .. code-block:: python
 #

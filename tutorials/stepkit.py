@@ -543,21 +543,58 @@ def plot_style():
     )
 
 
+def line_style(name, ours=()):
+    """matplotlib keywords for a provider's curve: its colour and marker (style),
+    the copy of the same bytes dotted, ours drawn above the peers with hollow
+    markers, each of ours narrower than the one before it and above it: curves
+    that meet (ours on a peer's, or two of ours running one kernel) all show."""
+    color, marker = style(name, ours)
+    if name not in ours:
+        dotted = ":" if name == "copy of the same bytes" else "-"  # a reference
+        return dict(color=color, marker=marker, markersize=6, linestyle=dotted,
+                    linewidth=1.5, zorder=2)  # fmt: skip
+    rank = list(ours).index(name)
+    return dict(
+        color=color,
+        linestyle="-",
+        marker=marker,
+        markersize=max(5, 12 - 4 * rank),
+        markerfacecolor="none",
+        markeredgewidth=1.5,
+        linewidth=max(1.0, 2.5 - rank),
+        zorder=3 + rank,
+    )
+
+
+def label_sizes(ax, sizes, rotation=0, closest=0.75):
+    """Ticks at every size of a log2 x axis, labelled where a label fits: powers of
+    two first, then other sizes at least `closest` octaves from every label (12288
+    between 8192 and 16384 keeps its tick, not its label)."""
+    sizes = sorted(set(sizes))
+    octaves = {n: math.log2(n) for n in sizes}
+    shown = [n for n in sizes if octaves[n].is_integer()]
+    for n in sizes:
+        if all(abs(octaves[n] - octaves[m]) >= closest for m in shown):
+            shown.append(n)
+    ax.set_xticks(sizes, [str(n) if n in shown else "" for n in sizes])
+    ax.tick_params(axis="x", labelrotation=rotation)
+    ax.minorticks_off()
+
+
 def plot_rates(table, ceiling, ceiling_label, ylabel, title, ours=(), log_y=False):
     """One figure: each provider (a column of table) against the table's index
-    on a log2 axis, the ceiling dashed, the legend below the axes (inside, it
-    would hide the ceiling or the curves near it)."""
+    on a log2 axis, ours drawn above the peers (line_style), the ceiling dashed,
+    the legend below the axes (inside, it would hide the ceiling or the curves
+    near it). log_y: a log rate axis, for rates that span decades."""
     import matplotlib.pyplot as plt
 
     plot_style()
     fig, ax = plt.subplots(figsize=(8, 4.4))
     for name in table.columns:
-        color, marker = style(name, ours)
-        ax.plot(table.index, table[name], color=color, marker=marker, label=name)
-    ax.axhline(ceiling, color="black", linestyle="--", label=ceiling_label)
+        ax.plot(table.index, table[name], label=name, **line_style(name, ours))
+    ax.axhline(ceiling, color="black", linestyle="--", label=ceiling_label, zorder=1)
     ax.set_xscale("log", base=2)
-    ax.set_xticks(list(table.index), [str(x) for x in table.index])
-    ax.minorticks_off()
+    label_sizes(ax, table.index)
     ax.set(title=title, xlabel=table.index.name, ylabel=ylabel)
     if log_y:
         ax.set_yscale("log")
@@ -766,21 +803,9 @@ def plot_bandwidth(table, ceiling, title, ours=()):
         part = table.xs(dtype, level="dtype")
         ax.axhline(ceiling, color="black", linestyle="--", linewidth=1, zorder=1)
         for name in part.columns:
-            color, marker = style(name, ours)
-            line = ":" if name == SAME_BYTES else "-"
-            ax.plot(
-                part.index,
-                part[name],
-                line,
-                color=color,
-                marker=marker,
-                markersize=4,
-                label=name,
-                zorder=3 if name in ours else 2,
-            )
+            ax.plot(part.index, part[name], label=name, **line_style(name, ours))
         ax.set_xscale("log", base=2)
-        ax.set_xticks(list(part.index), [str(n) for n in part.index], rotation=45)
-        ax.minorticks_off()
+        label_sizes(ax, part.index, rotation=45)
         ax.set(title=dtype, xlabel="N (row length)", ylim=(0, None))
     axes[0, 0].set_ylabel("GB/s")
     axes[0, 0].plot([], [], "k--", linewidth=1, label="copy bandwidth (large buffer)")
@@ -1416,7 +1441,7 @@ def same_kernel_gain(ratio, results, ours, same_from):
         line += (
             f" From {same_from} on, where both run the same kernel, they differ by up "
             f"to {floor:.1%} (at {same.idxmax()[0]}, N = {same.idxmax()[1]}): the "
-            f"noise floor. Past it, {ours[0]} is"
+            f"noise floor. Counting only gaps wider than that floor, {ours[0]} is"
         )
     else:
         line += f" No size reaches {same_from} here to set a noise floor; {ours[0]} is"
@@ -1430,6 +1455,47 @@ def same_kernel_gain(ratio, results, ours, same_from):
         return line + "."
     named = ", ".join(f"{d}, N = {n} ({r:.2f}x)" for (d, n), r in wide.items())
     return line + f"; timings spread past {SPREAD_LIMIT:.0%} at {named}."
+
+
+def name_cases(index):
+    """The cases of index as words: "N = 1, 2" for one level; for more, the last
+    level within the others ("float32, N = 1, 2; bfloat16, N = 4")."""
+    groups = {}
+    for key in index:
+        key = key if isinstance(key, tuple) else (key,)
+        groups.setdefault(key[:-1], []).append(str(key[-1]))
+    last = index.names[-1]
+    return "; ".join(
+        ", ".join([*map(str, outer), f"{last} = {', '.join(sizes)}"])
+        for outer, sizes in groups.items()
+    )
+
+
+def loop_verdict(gpu, b2b, ours, peers, limit=SPREAD_LIMIT):
+    """A sentence: where back to back (b2b: rates, a column per provider) ours runs
+    more than limit slower than the fastest of peers, and further behind it than by
+    GPU time (gpu: the same cases), by how much and why. "" under the interpreter,
+    where the two tables are one."""
+    if gpu is b2b:
+        return ""
+    peer = peers[0] if len(peers) == 1 else f"the fastest of {', '.join(peers)}"
+    in_loop = b2b[ours] / b2b[list(peers)].max(axis=1)
+    by_gpu = gpu[ours] / gpu[list(peers)].max(axis=1)
+    behind = (in_loop < 1 - limit) & (in_loop < (1 - limit) * by_gpu)
+    said = f"Back to back, as a loop calls them, {ours} runs at"
+    if not behind.any():
+        return (
+            f"{said} {in_loop.min():.2f}x to {in_loop.max():.2f}x {peer}: at each "
+            f"size within {limit:.0%} of it or of its ratio to it by GPU time."
+        )
+    loop, gpu_there = in_loop[behind], by_gpu[behind]
+    return (
+        f"{said} {loop.min():.2f}x to {loop.max():.2f}x {peer} at "
+        f"{name_cases(loop.index)}, where by GPU time it runs at "
+        f"{gpu_there.min():.2f}x to {gpu_there.max():.2f}x: the difference lies "
+        "between the kernels, in each call's cost on the host, which for ours is "
+        "a Python launcher and Triton's launch (lesson 12 measures it)."
+    )
 
 
 def b2b_overview(gpu, b2b):
