@@ -1,7 +1,8 @@
 """Lesson 05's exercises, and lesson 06's key-padding one, solved in Triton as a reader would, from the
 lessons' own kernels, with known-wrong variants switched on by flags: each check accepts the solutions and
 rejects the mistakes. test_attention.py tests the other checks of lessons 06 and 07, and lesson 06's
-key-padding check against a PyTorch answer."""
+key-padding check against a PyTorch answer. At the end, lesson 05's readings of its numbers, on made-up
+tables."""
 
 import functools
 import math
@@ -371,3 +372,58 @@ def test_atomic_dq_rejects(wrong, capsys):
                                              r"(dq|dk|dv|the output)"):
         V1.check_atomic_dq(ATOMIC_DQ_WRONG[wrong])
     assert "are right" not in capsys.readouterr().out
+
+
+# -- Lesson 05's readings of its numbers, on made-up tables (the benchmark's run only on a GPU) ---------------
+
+
+def _rates(values, providers, causal=(False, True), modes=("fwd",), sizes=(1024, 2048)):
+    """A table of rates as lesson 05's benchmark gives it: index (D, causal, mode, N), a column per
+    provider; values in that order, a row each."""
+    import pandas as pd
+
+    index = pd.MultiIndex.from_product([[64], causal, modes, sizes], names=V1.INDEX)
+    return pd.DataFrame(values, index=index, columns=providers)
+
+
+def test_v1_against_flash_is_read_per_masking():
+    """The H100 build: non-causal within 15% at every N, causal 0.80x to 0.86x from 2048 on. The line says
+    so per masking, not one range over both."""
+    near = _rates([1.03, 1.02, 1.06, 0.97, 0.98, 0.97, 0.86, 0.84, 0.80, 0.83], ["v1"],
+                  sizes=(1024, 2048, 4096, 8192, 16384))["v1"]
+    line = V1.against_flash(near)
+    assert "non-causal 0.97x to 1.06x, within 15% at every N" in line
+    assert "causal 0.80x to 0.97x, more than 15% apart at N = 4096, 8192, 16384" in line
+    # Faster than flash by more than 15% is apart too, not "close".
+    ahead = V1.against_flash(_rates([1.2, 1.0, 1.0, 1.0], ["v1"])["v1"])
+    assert "non-causal 1.00x to 1.20x, more than 15% apart at N = 1024" in ahead
+    assert "causal 1.00x to 1.00x, within 15% at every N" in ahead
+
+
+def test_back_to_back_is_one_measure_the_calls_time_over_their_gpu_time():
+    """The H100 build's lines disagreed: the peer line named v1 1.1x slower back to back at N = 4096 (GPU
+    317, back to back 287 TFLOP/s) while the overview, by rate, named only cuDNN at 8192. One measure, a
+    call's back-to-back time over its GPU time, names both, and nothing within 10%."""
+    providers = ["Triton v1", "SDPA cuDNN"]
+    gpu = _rates([[317, 440], [300, 469]], providers, causal=(False,), sizes=(4096, 8192))
+    b2b = _rates([[287, 432], [298, 412]], providers, causal=(False,), sizes=(4096, 8192))
+    line = V1.kit.b2b_overview(gpu, b2b, V1.call_name)
+    assert "a call takes 1.01x to 1.14x its GPU time" in line
+    assert "2 of 4 take more than 10% longer: Triton v1 fwd at N = 4096 (10.5% longer), SDPA cuDNN fwd at " \
+           "N = 8192 (13.8% longer)." in line
+    causal = V1.kit.b2b_overview(_rates([[100], [100]], ["v1"], modes=("bwd",), sizes=(1024,)),
+                                 _rates([[100], [80]], ["v1"], modes=("bwd",), sizes=(1024,)), V1.call_name)
+    assert "1 of 2 take more than 10% longer: v1 bwd causal at N = 1024 (25.0% longer)." in causal
+    same = V1.kit.b2b_overview(gpu, gpu * 1.05, V1.call_name)  # faster back to back: L2 kept warm, never "slower"
+    assert "0.95x to 0.95x" in same and "none takes more than 10% longer." in same
+
+
+def test_the_price_of_dividing_do_is_read_for_both_backwards():
+    """The section's comparison: v1's dV far off with a small dO (the H100 build: 7.1e-4, then 2.4e-1),
+    lesson 07's not; each against the 1e-2 of the site's tests, NaN counted as past it."""
+    errors = {("v1", 1.0): 7.1e-4, ("v1", 1e-4): 2.4e-1, ("lesson 07", 1.0): 6.3e-4, ("lesson 07", 1e-4): 3.6e-3}
+    line = V1.price_of_dividing(errors)
+    assert "dV's error is 338x as large for v1 (2.4e-01: past the tests' 0.01) and 5.71x as large for " \
+           "lesson 07 (3.6e-03: within the tests' 0.01)." in line
+    errors["lesson 07", 1e-4] = float("nan")
+    assert "(nan: past the tests' 0.01)" in V1.price_of_dividing(errors)

@@ -328,6 +328,33 @@ def test_the_back_to_back_sentence_follows_the_ratio():
     assert "0.29x" in slower and "slower" in slower and "host" in slower and "L2" not in slower
 
 
+def test_the_order_verdict_reads_each_size_and_the_counted_case():
+    """Lesson 04's line on grouped against row-major order, on the H100 build's table: level within 3% or
+    the timings' spread, and at n = 8192, the case whose slices the lesson counted, it says that grouped
+    order ran slower although it loads fewer bytes there, rather than naming only the largest ratio."""
+    import pandas as pd
+
+    ratio = pd.Series({1024: 147 / 149, 2048: 497 / 503, 4096: 567 / 541, 8192: 548 / 576})
+    spread = pd.Series({1024: 0.01, 2048: 0.004, 4096: 0.01, 8192: 0.02})
+    line = L.order_effect(ratio, spread, L.COUNTED_N)
+    assert "0.99x at n = 1024 (level)" in line and "0.99x at n = 2048 (level)" in line
+    assert "1.05x at n = 4096 (faster)" in line and "0.95x at n = 8192 (slower)" in line
+    assert "At n = 8192, the size counted above, grouped order ran 5% slower, although it loads fewer" in line
+
+
+def test_the_order_verdict_says_when_the_counted_case_helped_or_stayed_level():
+    import pandas as pd
+
+    faster = L.order_effect(pd.Series({4096: 1.0, 8192: 1.06}), pd.Series({4096: 0.0, 8192: 0.01}), 8192)
+    assert "1.06x at n = 8192 (faster)" in faster and "ran 6% faster" in faster and "although" not in faster
+    # A 4% gap within a 5% spread of timings is level, not slower.
+    level = L.order_effect(pd.Series({8192: 0.96}), pd.Series({8192: 0.05}), 8192)
+    assert "(level)" in level and "did not show" in level and "slower" not in level
+    # The interpreter's sizes leave out the counted case: no sentence about it.
+    cpu = L.order_effect(pd.Series({64: 0.5, 128: 1.0}), pd.Series({64: 0.0, 128: 0.0}), 8192)
+    assert "0.50x at n = 64 (slower)" in cpu and "At n =" not in cpu
+
+
 def test_tile_diagram_draws_on_a_cpu():
     """The figure of one program's tile of C and the slabs of A and B its K loop walks."""
     import matplotlib

@@ -209,9 +209,10 @@ def test_back_to_back_is_called_faster_or_slower_by_its_ratio_and_never_blames_t
 
 def test_the_back_to_back_overview_counts_only_differences_past_the_spread_limit():
     gpu = rates([100.0, 100.0, 100.0])
-    assert "none differs by more than 10%" in kit.b2b_overview(gpu, rates([95.0, 103.0, 99.0]))
+    # Back to back 5% slower at most, or faster (the L2 cache kept warm): nothing named.
+    assert "none takes more than 10% longer" in kit.b2b_overview(gpu, rates([95.0, 130.0, 99.0]))
     apart = kit.b2b_overview(gpu, rates([70.0, 100.0, 99.0]))
-    assert "1 of 3 differ by more than 10%, at N = 1024" in apart
+    assert "1 of 3 take more than 10% longer: at N = 1024." in apart
     assert kit.b2b_overview(gpu, gpu) == ""  # under the interpreter both tables are one
 
 

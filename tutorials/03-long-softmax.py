@@ -49,14 +49,15 @@ FUSED = kit.load_lesson("02-fused-softmax")  # short rows share a program there
 # Why one tile per row stops scaling
 # ----------------------------------
 # A Triton program runs on one streaming multiprocessor (SM) and holds everything in
-# that SM's registers (64K 32-bit registers, 256 KiB, on an H100) and shared memory (up
-# to 228 KiB), shared by the programs it runs at once. A program has at most 1,024
-# threads, so even alone on the SM it gets at most 64 registers per thread. A row of
-# :math:`N = 65{,}536` fp32 values is 256 KiB, 64 values per thread: with addresses and
-# temporaries it cannot fit, and the compiler *spills* the rest to local memory (device
-# memory behind the caches). Half that row fits (the limit is measured below). Past
-# it, a kernel walks the row in ``BLOCK_N``-element chunks, at a price: a softmax needs
-# the row's maximum and sum before any output, so each chunk is read more than once.
+# that SM's registers (64K 32-bit registers, 256 KiB, on an H100) and shared memory
+# (228 KiB per SM, of which one program may use up to 227 KiB), shared by the programs
+# it runs at once. A program has at most 1,024 threads, so even alone on the SM it gets
+# at most 64 registers per thread. A row of :math:`N = 65{,}536` fp32 values is 256
+# KiB, 64 values per thread: with addresses and temporaries it cannot fit, and the
+# compiler *spills* the rest to local memory (device memory behind the caches). Half
+# that row fits (the limit is measured below). Past it, a kernel walks the row in
+# ``BLOCK_N``-element chunks, at a price: a softmax needs the row's maximum and sum
+# before any output, so each chunk is read more than once.
 #
 # Three passes
 # ------------
@@ -372,10 +373,10 @@ if __name__ == "__main__":
 #   spin forever on a chunk that never arrives. So the launcher compiles the kernel,
 #   asks CUDA how many of its programs fit on the GPU at once (its occupancy; lesson
 #   10 derives that count by hand) and launches no more, each group of ``SPLITS``
-#   programs walking its share of the rows,
-#   *cooperatively* (``launch_cooperative_grid=True``): CUDA starts them all together
-#   or refuses a grid too large for that ("too many blocks in cooperative launch")
-#   instead of letting it hang.
+#   programs walking its share of the rows, *cooperatively*
+#   (``launch_cooperative_grid=True``): CUDA starts them all together or refuses a grid
+#   too large for that ("too many blocks in cooperative launch") instead of letting it
+#   hang.
 # * **Memory ordering.** The pair must be visible before the counter says it is: the
 #   increment is an atomic with *release* semantics, the polling read one with
 #   *acquire* semantics, and the pairs are read back with ``volatile`` loads that
@@ -422,7 +423,8 @@ def split_row_kernel(
 
 
 # 32 KiB of the row per program, 4 warps: 8,192 fp32 or 16,384 bf16 elements, the
-# winners of tools/tune.py split-row on an H100.
+# fastest that tools/tune.py split-row timed on an H100, as the engineering notes
+# record (tools/ is in this site's repository, not in the lessons' zips).
 SPLIT_BYTES, SPLIT_WARPS = 32768, 4
 # All programs resident at once, or CUDA refuses the launch (see above).
 COOPERATIVE = dict(launch_cooperative_grid=True)
@@ -433,18 +435,13 @@ def variant(args):
     """What Triton compiles a kernel apart for, per argument: an integer equal to 1,
     divisible by 16, or past int32; a tensor's address aligned to 16 bytes. Each
     variant has registers of its own, so a count of programs holds for one only."""
-    return tuple(
-        a.data_ptr() % 16 == 0
-        if isinstance(a, torch.Tensor)
-        else (a == 1, a % 16 == 0, a >= 2**31)
-        for a in args
-    )
+    return tuple(a.data_ptr() % 16 == 0 if isinstance(a, torch.Tensor)
+                 else (a == 1, a % 16 == 0, a >= 2**31) for a in args)  # fmt: skip
 
 
 def _compiled(args, meta, num_warps):
-    kernel = split_row_kernel.warmup(
-        *args, **meta, num_warps=num_warps, grid=(1,), **COOPERATIVE
-    )
+    kernel = split_row_kernel.warmup(*args, **meta, num_warps=num_warps, grid=(1,),
+                                     **COOPERATIVE)  # fmt: skip
     kernel._init_handles()  # loads it on the GPU: its registers are known from here
     return kernel
 
@@ -491,20 +488,17 @@ def _split_row(x, chunk, num_warps):
         chunk = on_gpu if kit.ON_GPU else triton.next_power_of_2(N)
     splits = triton.cdiv(N, chunk)
     if splits > 1 and not kit.ON_GPU:
-        raise ValueError(
-            "split_row_softmax cannot split a row under the Triton interpreter: its "
-            "programs run one after another, and one waiting would wait forever"
-        )
+        raise ValueError("split_row_softmax cannot split a row under the Triton "
+                         "interpreter: its programs run one after another, and one "
+                         "waiting would wait forever")
     y, args, meta = _split_row_args(x, chunk)
     num_warps = SPLIT_WARPS if num_warps is None else num_warps
     groups = M
     if kit.ON_GPU:
         groups = min(M, _programs_that_fit(args, meta, num_warps) // splits)
         if groups == 0:
-            raise ValueError(
-                f"a row of {N} elements needs {splits} programs at once, more than "
-                "this GPU holds"
-            )
+            raise ValueError(f"a row of {N} elements needs {splits} programs at once, "
+                             "more than this GPU holds")
     grid = (groups * splits,)
     split_row_kernel[grid](*args, **meta, num_warps=num_warps, **COOPERATIVE)
     return y
@@ -520,8 +514,8 @@ def split_row_softmax(x, chunk=None, num_warps=None):
     return differentiable(lambda t: _split_row(t, chunk, num_warps), x)
 
 
-# Up to this row length, lesson 02's ``softmax`` (row tiles, from its ``LONG_ROW`` one
-# row per program) beat the row-on-chip kernel on a GPU (numbers: engineering notes).
+# Measured on an H100, not on this page (its benchmark starts past it): up to this row
+# length lesson 02's softmax beat the row-on-chip kernel, as the engineering notes say.
 TILE_LIMIT = 8192
 
 
@@ -553,12 +547,10 @@ if __name__ == "__main__":
     reference = torch.softmax(x64, dim=1)
     reference.backward(dy.double())
     chunk = 512 if kit.ON_GPU else None  # the interpreter cannot split a row
-    launchers = {
-        "three-pass": functools.partial(three_pass_softmax, block_n=512),
-        "online": functools.partial(online_softmax, block_n=512),
-        "row on chip": row_on_chip_softmax,
-        "split row": functools.partial(split_row_softmax, chunk=chunk),
-    }
+    launchers = {"three-pass": functools.partial(three_pass_softmax, block_n=512),
+                 "online": functools.partial(online_softmax, block_n=512),
+                 "row on chip": row_on_chip_softmax,
+                 "split row": functools.partial(split_row_softmax, chunk=chunk)}
     for name, fn in launchers.items():
         leaf = x.clone().requires_grad_()
         y = fn(leaf)
@@ -581,12 +573,9 @@ if __name__ == "__main__":
 # :doc:`performance page <../performance>` defines them ("How we time"). Under the
 # interpreter both are NumPy's wall-clock time on the CPU: illustrative.
 
-OURS = {
-    "three-pass": three_pass_softmax,
-    "online (two-pass)": online_softmax,
-    "row on chip (one pass)": row_on_chip_softmax,
-    "split row (one pass)": split_row_softmax,
-}
+OURS = {"three-pass": three_pass_softmax, "online (two-pass)": online_softmax,
+        "row on chip (one pass)": row_on_chip_softmax,
+        "split row (one pass)": split_row_softmax}  # fmt: skip
 
 
 def providers(x):
@@ -614,22 +603,30 @@ if __name__ == "__main__":
 # %%
 # The results
 # -----------
-# Each provider's GB/s per row length, by GPU time, in this run (empty where a kernel
-# does not run, as row-on-chip past ``ROW_ON_CHIP_LIMIT``; a range where its timings
-# spread by more than 10%):
+# Each provider's GB/s per row length, by GPU time (empty where a kernel does not run,
+# as row-on-chip past ``ROW_ON_CHIP_LIMIT``; a range where its timings spread past 10%):
 
 kit.rates_table(results, ["dtype", "N"], "GB/s") if __name__ == "__main__" else None
 
 # %%
 # What the numbers say
 # --------------------
-# From the table above, per row length: the fastest of this lesson's kernels, its speed
-# against the best PyTorch peer and its share of the copy bandwidth, by GPU time, then
-# back to back. The byte counts predict at most 1/2 of the copy bandwidth for three
-# passes, 2/3 for two, all of it for one; a pass re-reading a row still in the L2 cache
-# can beat that, the more so the shorter the row: the table shows by how much. The plot
-# draws the same table, one panel per dtype; the dashed line is the copy bandwidth,
-# drawn behind the curves so that a kernel running at it stays visible.
+# From the table above, per row length: the fastest of this lesson's kernels, against
+# the best PyTorch peer and as a share of the copy bandwidth, by GPU time, then back to
+# back; then any length where every provider of a dtype ran over 10% slower than at the
+# one before. The byte counts predict at most 1/2 of the copy bandwidth for three
+# passes, 2/3 for two, all of it for one; a pass re-reading a row still in L2 can beat
+# that, the more so the shorter the row. The plot draws the same table, one panel per
+# dtype, the copy bandwidth dashed behind the curves so that a kernel at it shows.
+
+
+def common_drops(table, limit=kit.SPREAD_LIMIT):
+    """{(dtype, N): (least, most)}: where every provider in table (rates by dtype
+    and N) ran more than limit slower than at the dtype's previous length."""
+    lost = 1 - table / table.groupby(level="dtype", sort=False).shift(1)
+    return {key: (row.min(), row.max()) for key, row in lost.iterrows()
+            if row.notna().any() and (row.dropna() > limit).all()}
+
 
 if __name__ == "__main__":
     peers = [c for c in table.columns if c not in OURS]
@@ -643,6 +640,9 @@ if __name__ == "__main__":
               f"{row[best] / row[peers].max():.2f}x the best PyTorch peer{loop}; "
               f"two-pass {two / copy_gbs:.0%}, "
               f"{two / row['three-pass']:.2f}x three-pass")
+    for (dtype, n), (least, most) in common_drops(table).items():
+        print(f"{dtype:>8s} N = {n:>6d}: every provider, PyTorch's too, ran {least:.0%}"
+              f" to {most:.0%} slower than at the length before: a cause they share.")
     if not kit.ON_GPU:
         print("Interpreter timings: the ratios measure NumPy on the CPU, illustrative.")
     benchmark = dict(name=f"long-row softmax, M = {M}", unit="GB/s", ceiling=copy_gbs)
@@ -661,17 +661,20 @@ if __name__ == "__main__":
 # as fp32 in registers until the row's statistics arrive: more registers per thread,
 # fewer programs per SM, and while a program waits, only the SM's others keep loads in
 # flight. This cell asks the compiler, per dtype, how much of the row each SM can be
-# loading at once; its last line says where bf16 ran further from the copy than fp32.
-# Lesson 10 keeps the chunk in shared memory instead.
+# loading at once; its last line says where each dtype ran further from the copy (a
+# length where every provider dropped is named above). Lesson 10 keeps the chunk in
+# shared memory instead.
 
 
 def by_dtype(speed, copy_gbs):
-    """Split-row speed (GB/s by dtype, N) as a share of the copy bandwidth, by dtype."""
+    """Split-row speed (GB/s by dtype, N) as a share of the copy bandwidth, by dtype,
+    and the lengths where each dtype is further from it than the other."""
     s = (speed / copy_gbs).unstack("dtype")
-    further = ", ".join(f"N = {n}" for n in s.index[s["bfloat16"] < s["float32"]])
+    bf16, fp32 = (", ".join(f"N = {n}" for n in s.index[s[a] < s[b]]) or "none"
+                  for a, b in (("bfloat16", "float32"), ("float32", "bfloat16")))
     return ("Split row, share of the copy bandwidth in fp32 and bf16: " + ", ".join(
         f"N = {n}: {r['float32']:.0%} and {r['bfloat16']:.0%}" for n, r in s.iterrows())
-        + f". bf16 runs further from it at: {further or 'none'}.")
+        + f". Further from it in bf16 at: {bf16}; in fp32 at: {fp32}.")
 
 
 if __name__ == "__main__" and kit.ON_GPU:
@@ -717,17 +720,24 @@ elif __name__ == "__main__":
 # %%
 # Exercises
 # ---------
-# Write each attempt in a new cell at the end of this lesson's notebook, or in a file
-# next to the lessons that runs ``import stepkit as kit`` and
-# ``L03 = kit.load_lesson("03-long-softmax")``, then call its check as shown. A check
-# compares with float64 on fresh inputs of irregular shapes (``NaN`` fails) and names
-# the first wrong element, or prints one line. No solutions here.
+# Each check compares with float64 on fresh irregular inputs (``NaN`` fails) and names
+# the first wrong element. Write each attempt in a new cell at the end of this lesson's
+# notebook (linked at the end of the page), below the checks, and call its check as the
+# exercise shows; or in a file next to the lessons that loads this one first:
+#
+# .. code-block:: python
+#
+#    import stepkit as kit
+#
+#    L03 = kit.load_lesson("03-long-softmax")
+#    # ... your kernel, and two_loop_softmax(x, block_n) that launches it ...
+#    L03.check_two_loop_softmax(two_loop_softmax)
 #
 # 1. **Two loops, one state per row.** Turn ``three_pass_kernel`` into two loops: the
 #    first keeps one running :math:`(m, d)` per row (not per lane, as
 #    ``online_softmax_kernel`` does), merging each chunk's own maximum and sum into it
 #    with the combine step; the second writes the output. Wrap it in
-#    ``two_loop_softmax(x, block_n)`` and run
+#    ``two_loop_softmax(x, block_n)``, checked by
 #    ``check_two_loop_softmax(two_loop_softmax)``: its 16-element chunks make the loops
 #    run many times, and some rows' first chunk is all ``-inf`` (mind the trap above).
 # 2. **The decoding combine.** A split-K (flash-decoding) attention kernel leaves, for
