@@ -113,8 +113,14 @@ if __name__ == "__main__":
 # wait still shows; exercise 2 works out how many calls it takes to fade.) So this page
 # calls a case *host-bound* where its back-to-back time exceeds its GPU time by more
 # than ``kit.SPREAD_LIMIT`` (past which the benchmark retimes, so nearer times count as
-# equal) and the host time, measured on its own, comes within that of back to back
-# (``who_paced``, below, says what else the three times can show).
+# equal) and the host time, measured on its own, comes within that of back to back.
+#
+# The host's own time cannot exceed back to back: calls made in a row end only after
+# the host has enqueued the last of them. A host time measured alone that is longer,
+# past the limit, says that the host ran slower then than while the benchmark ran (its
+# speed drifts with the machine's other work and its clocks): ``who_paced``, below,
+# calls such a case *inconsistent* rather than name a cause, and says what else the
+# three times can show.
 #
 # The benchmark at the smallest size
 # ----------------------------------
@@ -159,9 +165,9 @@ elif __name__ == "__main__":
 # with lesson 06's launch plans cleared before every call of ours, so that each goes
 # through Triton's JIT; and sets it beside the GPU and back-to-back times that the
 # benchmark above measured, in microseconds per call. ``who_paced`` reads the three.
-# Host times vary from machine to machine far more than GPU times do. (The usual cures
-# for host time are CUDA graphs, which replay a whole sequence of launches at once, or
-# more work per call.)
+# Host times vary from machine to machine, and from one minute to the next, far more
+# than GPU times do. (The usual cures for host time are CUDA graphs, which replay a
+# whole sequence of launches at once, or more work per call.)
 
 
 def host_ms(call, calls=50, loops=5):
@@ -219,19 +225,24 @@ def who_paced(gpu, b2b, host, spread):
     if spread > limit:
         return (f"unsettled ({times}): its two fastest timings differ by {spread:.0%}, "
                 f"more than the {limit:.0%} a verdict needs.")
+    if host > b2b * (1 + limit):
+        return (f"inconsistent ({times}): the host time measured alone is "
+                f"{host / b2b - 1:.0%} longer than back to back, yet calls in a row "
+                "end only after the host has enqueued them all. The host ran slower "
+                "when measured alone; these numbers cannot tell what set the pace.")
     if b2b <= gpu * (1 + limit):
         if host <= gpu * (1 + limit):
             return (f"GPU-bound ({times}): back to back and the host time are "
                     f"within {limit:.0%} of GPU time, or below it.")
-        return (f"back to back is within {limit:.0%} of GPU time ({times}), yet the "
-                "host time measured alone is longer: the host was faster while the "
-                "benchmark ran, and these numbers cannot tell why.")
+        return (f"host and GPU about even ({times}): back to back is within "
+                f"{limit:.0%} of GPU time, the host time within {limit:.0%} of back to "
+                "back; either can set the pace.")
     if host * (1 + limit) >= b2b:
         return (f"host-bound ({times}): back to back exceeds GPU time by "
                 f"{b2b / gpu - 1:.0%}, and the host time accounts for it.")
-    return (f"back to back exceeds GPU time by {b2b / gpu - 1:.0%} ({times}), but the "
-            "host time does not account for it: the time goes between the kernels, "
-            "which these numbers do not measure.")
+    return (f"back to back exceeds GPU time by {b2b / gpu - 1:.0%} ({times}), and "
+            "neither accounts for it: the GPU idles between the kernels for a reason "
+            "these numbers do not show (or the host ran faster when measured alone).")
 
 
 def pacing_rows(results, B, H, N, D, causal, mode, calls, provider_of=PROVIDER_OF):
@@ -281,12 +292,13 @@ def plans_saved(ours):
 
 
 def forward_calls(q, k, v, causal):
-    """{name: kit.Timer}: cuDNN's forward and lesson 11's two (Gluon where it runs)."""
+    """{name: kit.Timer}: cuDNN's forward and lesson 11's two (Gluon where it runs),
+    each the very call the benchmark timed, so that host and back to back time the
+    same (the portable one through lesson 07's attention, as lesson 11's benchmark)."""
     scale = q.shape[-1] ** -0.5
     cudnn = kit.sdpa_providers(causal, scale, ["SDPA cuDNN"])["SDPA cuDNN"]
     calls = {"SDPA cuDNN": kit.call_timer(cudnn, q, k, v),
-             "portable": kit.call_timer(FWD.attention, q, k, v, causal, scale,
-                                        warp_specialized=False)}
+             "portable": kit.call_timer(FWD.V2_BWD.attention, q, k, v, causal, scale)}
     if FWD.warp_specialized_unsupported(q, k, v) is None:
         calls["Gluon"] = kit.call_timer(FWD.attention, q, k, v, causal, scale,
                                         warp_specialized=True)
@@ -310,16 +322,19 @@ measured if __name__ == "__main__" and kit.ON_GPU else None
 # %%
 # The same times as bars, two for each call: its host time and its GPU time; the black
 # mark is its time back to back. Where the host's bar is the longer, the mark should sit
-# at its end: calls made back to back go at the host's pace.
+# at its end: calls made back to back go at the host's pace. The last lines read the
+# benchmark's two tables for our two forwards: whether GPU time and back to back name
+# the same one faster, and how lesson 11's table of paths chose, counted as lesson 11
+# counts it (a difference within the two timings' spreads is a tie).
 
 
-def draw_host_and_gpu(measured):
+def draw_host_and_gpu(measured, N):
     import matplotlib.pyplot as plt
 
     labels = [f"D={D}{', causal' if causal else ''}: {call}"
               for D, causal, call in measured.index]
     rows = range(len(labels))
-    fig, ax = plt.subplots(figsize=(8, 0.42 * len(labels) + 1.6))
+    fig, ax = plt.subplots(figsize=(8, 0.42 * len(labels) + 1.9))
     ax.barh([r - 0.2 for r in rows], measured["host (us)"], height=0.4,
             color="#e4a23c", label="host time")
     ax.barh([r + 0.2 for r in rows], measured["GPU (us)"], height=0.4,
@@ -329,29 +344,61 @@ def draw_host_and_gpu(measured):
     ax.set_yticks(list(rows), labels, fontsize=10)
     ax.invert_yaxis()
     ax.set_xlabel("microseconds per call", fontsize=10)
-    ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, fontsize=10,
-              frameon=False)
-    fig.tight_layout()
+    ax.set_title(f"Host time, GPU time and back to back per call at N = {N}",
+                 fontsize=11)
+    fig.legend(loc="lower center", ncol=3, fontsize=10, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig
 
 
+def clocks_and_paths(results, N, default_of):
+    """Sentences on our two forwards at length N of results: whether GPU time and
+    back to back name the same one faster (within the spread: a tie), and how
+    default_of(D, causal, N) stood back to back (FWD.standing for both)."""
+    same, differ, tied = 0, [], []
+    stood = {"fastest": [], "tie": [], "slower": []}
+    ours = results[(results["N"] == N) & results["provider"].isin([PORTABLE, WS])]
+    for (D, causal), case in ours.groupby(["D", "causal"], sort=False):
+        if len(case) < 2:  # Gluon did not run: nothing to choose between
+            continue
+        where = f"D={D} {'causal' if causal else 'non-causal'}"
+
+        def of(column):
+            return dict(zip(case["provider"], case[column]))
+
+        fastest = []  # by each clock: the one faster past the spread, or none
+        for rate, spread in (("gpu_value", "gpu_spread"), ("value", "spread")):
+            rates, spreads = of(rate), of(spread)
+            fastest.append([name for name in rates
+                            if kit.standing(name, rates, spreads) == "fastest"])
+        if not all(fastest):
+            tied.append(where)
+        elif fastest[0] == fastest[1]:
+            same += 1
+        else:
+            differ.append(where)
+        choice = default_of(D, causal, N)
+        stood[kit.standing(choice, of("value"), of("spread"))].append(where)
+    cases = same + len(differ) + len(tied)
+    line = (f"At N = {N}, in this page's run ({cases} cases), the faster of our two "
+            f"forwards is the same by GPU time and back to back at {same}")
+    for where, what in ((differ, "different ones"),
+                        (tied, "a tie within the spread, by one time or both")):
+        line += f"; {what} at {len(where)} ({', '.join(where)})" if where else ""
+    slower = stood["slower"]
+    return line + (
+        f". Lesson 11's FORWARD_PATHS, which tools/tune.py measured before this build, "
+        f"was the fastest back to back at {len(stood['fastest'])}, tied with the "
+        f"fastest within the spread at {len(stood['tie'])} and slower past it at "
+        f"{len(slower)}" + (f" ({', '.join(slower)})" if slower else "")
+        + f" of these {cases}; lesson 11 counts the same way over its own run, at "
+        "every length.")
+
+
 if __name__ == "__main__" and kit.ON_GPU:
-    draw_host_and_gpu(measured)
-    ours = measured.drop(index="SDPA cuDNN", level="call")
-    print(plans_saved(ours))
-    fastest = ours.groupby(level=["D", "causal"])
-    by_gpu = fastest["GPU (us)"].idxmin().str[-1]
-    paced = fastest["back to back (us)"].idxmin().str[-1]
-    differ = [f"D={D} {'causal' if causal else 'non-causal'}"
-              for (D, causal), name in paced.items() if name != by_gpu[D, causal]]
-    call_of = {provider: name for name, provider in PROVIDER_OF.items()}
-    agree = sum(call_of[FWD.default_forward(D, causal, N)] == name
-                for (D, causal), name in paced.items())
-    print(f"Of our two forwards, GPU time and back to back pick the same one in "
-          f"{len(paced) - len(differ)} of {len(paced)} cases"
-          + (f"; not at {', '.join(differ)}" if differ else "")
-          + f". Lesson 11's FORWARD_PATHS, which tools/tune.py measured before this "
-          f"build, picks the faster back to back in {agree} of {len(paced)}.")
+    draw_host_and_gpu(measured, N)
+    print(plans_saved(measured.drop(index="SDPA cuDNN", level="call")))
+    print(clocks_and_paths(results, N, FWD.default_forward))
 
 # %%
 # What one program per SM buys

@@ -7,8 +7,8 @@ products per pair of blocks where five would do, or five with one atomic additio
 element of :math:`dQ`. FlashAttention-3's backward (Shah et al., 2024,
 `arXiv:2407.08608 <https://arxiv.org/abs/2407.08608>`_) keeps the five products and
 makes the additions cheap: :math:`dS` shared between two warp groups through shared
-memory, and :math:`dQ` summed by the TMA engine in bulk. This lesson writes it in Gluon,
-measures it against the portable backward and cuDNN, and profiles where the time goes.
+memory, and :math:`dQ` summed by the TMA engine in bulk. Here it is in Gluon, measured
+against the portable backward and cuDNN, with a profile of where its time goes.
 You will learn:
 
 * how one program computes :math:`dK`, :math:`dV` and its share of :math:`dQ` with five
@@ -18,12 +18,9 @@ You will learn:
 * how register pressure limits this kernel, and the changes that keep spills down;
 * how to find where a backward's time goes with the CUDA profiler, kernel by kernel.
 
-It runs lesson 07's preprocess, lesson 12's host timer and the forward of
-:doc:`11-hopper-forward-gluon`, and falls back to lesson 07's backward where Gluon
-cannot run: there the page still shows the design and the portable kernels' numbers, and
-says why the Gluon kernel did not run. Previous lesson:
-:doc:`12-hopper-forward-profiled`; this is the last of the path (all lessons: the
-:doc:`list <index>`).
+It runs lesson 07's preprocess, lesson 12's host timer and lesson 11's forward, and
+falls back to lesson 07's backward where Gluon cannot run, and says why. Previous:
+:doc:`12-hopper-forward-profiled`; this is the last of the path (:doc:`list <index>`).
 """
 
 import functools
@@ -40,18 +37,16 @@ PROFILE = kit.load_lesson("12-hopper-forward-profiled")
 # %%
 # Five products, one program per key block
 # ----------------------------------------
-# One program owns 128 keys, split between two consumer warp groups of 64 keys each,
-# plus a loader warp that streams blocks of 64 queries (128 at :math:`D = 64`, below
-# says why) of :math:`Q` and :math:`dO` (with their rows' :math:`\mathrm{LSE}_2` and
-# :math:`\Delta`) through a ring of shared-memory buffers, as in the forward. Per query
-# block, each consumer group:
+# One program owns 128 keys, split between two consumer warp groups (lesson 11) of 64
+# keys each, plus a loader warp that streams blocks of 64 queries (128 at :math:`D =
+# 64`: below) of :math:`Q` and :math:`dO`, with their rows' :math:`\mathrm{LSE}_2` and
+# :math:`\Delta`, through a ring of shared-memory buffers. Per query block, each group:
 #
 # 1. issues :math:`S^T = K Q^T` and :math:`dP^T = V\,dO^T` for its keys (64 keys by the
 #    block's queries each);
 # 2. makes :math:`P^T` and :math:`dS^T = P^T \circ (dP^T - \Delta)`, and starts
-#    :math:`dV \mathrel{+}= P^T dO` with :math:`P^T` straight from registers (the left
-#    operand of ``wgmma`` may live in registers, the right one must be in shared memory:
-#    that is why the kernel computes :math:`S^T` and not :math:`S`);
+#    :math:`dV \mathrel{+}= P^T dO` with :math:`P^T` from registers (``wgmma``'s left
+#    operand may be in registers, lesson 09: hence :math:`S^T`, not :math:`S`);
 # 3. writes its :math:`dS^T` to shared memory and waits for the other group's. Each
 #    query's :math:`dQ` row needs :math:`dS` for all 128 keys of the program, so each
 #    group multiplies :math:`dS\,K` for *half of the columns* of :math:`dQ` (64 of 128
@@ -62,104 +57,57 @@ PROFILE = kit.load_lesson("12-hopper-forward-profiled")
 #    (``cp.reduce.async.bulk``) adds the whole fp32 tile into global memory in one bulk
 #    operation, in the L2 cache, while the warps go on.
 #
-# The picture shows what each of the two groups holds and multiplies for one query
-# block, at :math:`D = 128` (64 queries per block); the dashed lines in :math:`dQ` mark
-# the 32-column boxes that its TMA reductions send (the next section says why 32).
-
-
-def draw_split(keys=128, queries=64, D=128):
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(8, 3.4),
-                             gridspec_kw={"width_ratios": [1, 1, 1.4]})
-    colors = ("#3b7dd8", "#e4a23c")
-    text = dict(ha="center", va="center", fontsize=10, color="white")
-    for g in range(2):
-        first, last = g * keys // 2, (g + 1) * keys // 2 - 1
-        axes[0].add_patch(plt.Rectangle((0, g * keys / 2), D, keys / 2,
-                                        color=colors[g]))
-        axes[0].text(D / 2, g * keys / 2 + keys / 4,
-                     f"group {g}:\nkeys {first}-{last}\ndK, dV", **text)
-        axes[1].add_patch(plt.Rectangle((0, g * keys / 2), queries, keys / 2,
-                                        color=colors[g], alpha=0.8))
-        axes[1].text(queries / 2, g * keys / 2 + keys / 4,
-                     f"dS^T of\ngroup {g}\n(shared)", **text)
-        axes[2].add_patch(plt.Rectangle((g * D / 2, 0), D / 2, queries,
-                                        color=colors[g]))
-        axes[2].text(g * D / 2 + D / 4, queries / 2,
-                     f"group {g}:\ncolumns\n{g * D // 2}-{(g + 1) * D // 2 - 1}",
-                     zorder=3, bbox=dict(facecolor=colors[g], edgecolor="none", pad=1),
-                     **text)
-    panels = [("accumulators", D, keys, "head dim", "key"),
-              ("dS^T in shared memory", queries, keys, "query", "key"),
-              ("dQ tile sent by TMA reduction", D, queries, "head dim", "query")]
-    for ax, (title, w, h, xl, yl) in zip(axes, panels):
-        ax.set(xlim=(0, w), ylim=(h, 0))
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel(xl, fontsize=10)
-        ax.set_ylabel(yl, fontsize=10)
-        ax.tick_params(labelsize=10)
-    for column in range(32, D, 32):
-        axes[2].axvline(column, color="white", linestyle="--", linewidth=1.5)
-    fig.suptitle(f"D = {D}: {keys} keys per program, {queries} queries per block",
-                 fontsize=11)
-    fig.tight_layout()
-    return fig
+# The picture: what each group holds and multiplies for one query block at
+# :math:`D = 128`; the dashed lines in :math:`dQ` mark the 32-column boxes that its TMA
+# reductions send (the next section says why 32).
 
 
 if __name__ == "__main__":
-    draw_split()
+    kit.draw_split()
 
 # %%
 # What decides its speed
 # ----------------------
-# Seven details, each found by measuring (the engineering notes of this site keep those
-# measurements, with the GPU and versions):
+# Seven details, each found by measuring (the engineering notes keep the numbers):
 #
-# * **Bulk reductions, not element atomics.** One ``red.global.add.f32`` per element of
-#   :math:`dQ` keeps the L2 cache busy with tiny transactions; a TMA reduction sends a
-#   whole tile. Triton 3.6's Gluon can emit the operation but has no Python name for it
-#   yet (later versions call it ``tma.async_atomic_add``), so the lesson defines the
-#   builtin itself, the way lesson 11 bridges ``async_load``'s two names.
+# * **Bulk reductions, not element atomics.** One atomic addition per element of
+#   :math:`dQ` (``red.global.add.f32``) keeps the L2 cache busy with tiny transactions;
+#   a TMA reduction sends a whole tile. Triton 3.6's Gluon can emit it but has no
+#   Python name for it yet (later: ``tma.async_atomic_add``), so the lesson defines the
+#   builtin itself, as lesson 11 bridges ``async_load``'s two names.
 # * **A bank-conflict-free staging tile.** TMA reads the fp32 tile from shared memory in
-#   the swizzled layout that ``NVMMASharedLayout`` describes, whose rows may be at most
-#   128 bytes: 32 fp32 values. So :math:`dQ`'s 64 columns go out as two 32-column boxes.
-#   In an unswizzled 256-byte row layout, the eight rows that one warp writes land on
-#   the same memory banks: an 8-way conflict on every store.
+#   the *swizzled* layout of ``NVMMASharedLayout`` (rows' 16-byte pieces permuted, so a
+#   column's values fall in different banks), whose rows hold at most 128 bytes, 32
+#   fp32 values: :math:`dQ`'s 64 columns go out as two 32-column boxes. Unswizzled,
+#   the eight rows one warp writes would fall in the same banks, an 8-way conflict.
 # * **Registers.** A consumer thread holds :math:`dK` and :math:`dV` for 64 keys (128
 #   registers at :math:`D = 128`), :math:`S^T` and :math:`dP^T` (64 more), and its
-#   :math:`dQ` columns (32), of the 240 that ``setmaxnreg`` gives it (lesson 11).
-#   Whatever does not fit spills to local memory (``ptxas -v`` reports the bytes). Four
-#   changes cut the spills: the loader also brings each query block's
+#   :math:`dQ` columns (32), of the 240 that ``setmaxnreg`` gives it; the rest spills
+#   to local memory. Four changes cut the spills: the loader also brings each block's
 #   :math:`\mathrm{LSE}_2` and :math:`\Delta` into shared memory by TMA (no pointers,
 #   masks or index vectors in the consumers); :math:`P^T` is kept in 16 bits once
-#   :math:`dS^T` is made; the causal mask's index vectors are made where they are used,
-#   not kept across the loop; and one loop handles the masked and the unmasked query
-#   blocks, with the mask behind a branch, since a second loop made the compiler spill
-#   in both.
+#   :math:`dS^T` is made; the causal mask's index vectors are made where used; and one
+#   loop handles masked and unmasked query blocks, the mask behind a branch (a second
+#   loop made the compiler spill in both).
 # * **Query blocks as large as the registers allow.** At :math:`D = 64`, :math:`dK` and
-#   :math:`dV` take half the registers they take at :math:`D = 128`, which leaves room
-#   for 128-query tiles of :math:`S^T` and :math:`dP^T`: each exchange of :math:`dS^T`,
-#   each barrier and each reduction of :math:`dQ` then serves twice the products.
+#   :math:`dV` take half the registers, which leaves room for 128-query tiles of
+#   :math:`S^T` and :math:`dP^T`: each exchange of :math:`dS^T`, barrier and reduction
+#   of :math:`dQ` then serves twice the products.
 # * **Overlap.** :math:`dK`'s product is issued after :math:`dQ`'s, so the wait for
 #   :math:`dQ` leaves it running while the tile is stored and sent.
 # * **Exponentials under a product.** ``warpgroup_mma_wait(1)`` waits for :math:`S^T`
-#   alone (products finish in the order they were issued), so :math:`P^T`'s exponentials
-#   run while :math:`dP^T` is still being multiplied. Issuing :math:`dV`'s product
-#   before the second wait as well was tried and dropped (engineering notes).
+#   alone (products finish in order), so :math:`P^T`'s exponentials run while
+#   :math:`dP^T` is multiplied. Issuing :math:`dV`'s product before the second wait too
+#   was tried and dropped (engineering notes).
 # * **Wide stores, where they pay.** ``wgmma`` leaves each thread pairs of adjacent
-#   values of :math:`dK` and :math:`dV`, so stores straight from its layout are 4 bytes
-#   wide. Without the causal mask the consumers first rearrange them into lesson 11's
-#   store layout, 8 adjacent values per thread: 16-byte, coalesced stores, the same
-#   bits. With the mask the rearrangement did not pay (engineering notes), so there
-#   they are stored straight at every head dimension.
+#   values of :math:`dK` and :math:`dV` (4-byte stores); without the causal mask they
+#   are first rearranged into lesson 11's store layout (16-byte stores). With the mask
+#   that did not pay (engineering notes).
 #
 # Where the TMA box crosses the end of the sequence, the loads fill zeros and the
-# reductions skip the rows past :math:`N`, so no query block needs a bounds mask.
-# :math:`dQ` is summed in an fp32 buffer and rounded to the input dtype at the end. The
-# order of the additions varies, so :math:`dQ`'s last bits can differ from run to run;
-# ``atomic_dq=False`` asks for lesson 07's two-pass backward, which gives the same bits
-# every time.
+# reductions skip the rows past :math:`N`: no query block needs a bounds mask.
+# :math:`dQ` is summed in fp32 in varying order, so its last bits can differ from run
+# to run; ``atomic_dq=False`` asks for lesson 07's two-pass backward: the same bits.
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -456,19 +404,17 @@ def _ws_backward(q, k, v, do, lse, delta, causal, sm_scale):
 # %%
 # The launcher and autograd
 # -------------------------
-# Three backwards can follow either forward: this lesson's Gluon kernel, lesson 07's
-# two-pass one and lesson 07's atomic one. Which is fastest depends on the case, so
-# ``attention`` runs the one that the sweep (``python tools/tune.py attention``)
-# measured fastest for it, recorded in ``BACKWARD_PATHS`` (read from
-# ``tuned_tables.json``), and the forward that lesson 11's table names. As there, a
-# path's cost is the slower of its GPU time and the host's time per call, and the sweep
-# ran before this build; the line under the benchmark's table counts the cases where
-# this run's back-to-back times agree with it. The arguments can overrule the tables:
-# ``atomic_dq=False`` asks for the two-pass backward, whose :math:`dQ` has the same bits
-# on every run; ``atomic_dq=True`` for an atomic one (the Gluon kernel where it runs,
-# lesson 07's elsewhere); ``warp_specialized=True`` for the Gluon kernels, forward and
-# backward, and ``False`` for lessons 06 and 07's. A case the tables do not cover runs
-# Gluon where it can, and otherwise the two-pass backward.
+# Three backwards can follow either forward: this lesson's Gluon kernel, and lesson
+# 07's two-pass and atomic ones. ``attention`` runs the one that ``python tools/tune.py
+# attention`` measured fastest for the case before this build (``BACKWARD_PATHS``, from
+# ``tuned_tables.json``; as in lesson 11, a path's cost is the slower of its GPU time
+# and the host's time per call), and the forward that lesson 11's table names;
+# "Reading the numbers" counts where this run agrees. The arguments overrule the tables:
+# ``atomic_dq=False`` asks for the two-pass backward (the same bits of :math:`dQ` every
+# run), ``True`` for an atomic one (Gluon's where it runs, lesson 07's elsewhere);
+# ``warp_specialized=True`` for the Gluon kernels, forward and backward, ``False`` for
+# lessons 06 and 07's. A case the tables do not cover runs Gluon where it can, and
+# otherwise the two-pass backward.
 
 BACKWARD_PATHS = FWD.paths_table("backward-paths")
 
@@ -591,15 +537,22 @@ if __name__ == "__main__":
 kit.rates_table(results, FWD.INDEX, "TFLOP/s") if __name__ == "__main__" else None
 
 # %%
+# The same calls back to back, in TFLOP/s:
+
+(kit.rates_table(results, FWD.INDEX, "TFLOP/s", value="value")
+ if __name__ == "__main__" else None)
+
+# %%
 # Reading the numbers
 # -------------------
-# Computed from the table above, in this run.
+# Computed from the two tables above, in this run; the default path's table follows.
 
 if __name__ == "__main__":
     peers = FWD.against_portable(results, peak, "lesson 07's two-pass backward")
     print(kit.spread_summary(results) if kit.ON_GPU else
           "These are interpreter timings: they measure NumPy on the CPU.")
-    defaults = FWD.default_path(results, default_backward, peers, "BACKWARD_PATHS")
+    defaults, paths = FWD.default_path(results, default_backward, peers,
+                                       "BACKWARD_PATHS")
     ran = [c for c in (WS, PORTABLE, ATOMIC) if c in results["provider"].values]
     kit.save_results("13-hopper-backward-gluon", [{
         "name": "attention backward, "
@@ -607,20 +560,23 @@ if __name__ == "__main__":
         "unit": "TFLOP/s", "ceiling_name": kit.MATMUL_CEILING, "ceiling": peak,
         "ours": [FWD.DEFAULT, *ran], "peers": peers,
         "rows": results.to_dict("records") + defaults}])
+paths if __name__ == "__main__" else None
 
 # %%
 # The host at the smallest size
 # -----------------------------
-# At the smallest size the host's share of a call is largest, for the reason of lesson
-# 12: a backward call is a few Python launches (two kernels for the two-pass backward;
-# for the atomic and Gluon ones the preprocess, the main kernel, and zeroing and
-# converting the fp32 :math:`dQ`) after PyTorch's autograd engine, and the host's time
-# to enqueue them can exceed the GPU's time to run them. Whether it does is a
-# measurement: lesson 12's ``pacing_rows`` sets each backward's host time, measured now,
-# beside the GPU and back-to-back times the benchmark above measured, and reads them
-# with ``who_paced``. Beside them, the host's floor for any backward written in Python:
-# an autograd function whose backward launches nothing and hands back gradients made
-# beforehand. cuDNN's backward is C++ inside PyTorch and pays no such Python round trip.
+# At the smallest size the host's share of a call is largest, for lesson 12's reason: a
+# backward call is a few Python launches (two kernels for the two-pass backward; for
+# the atomic and Gluon ones the preprocess, the main kernel, and zeroing and converting
+# the fp32 :math:`dQ`) after PyTorch's autograd engine, and the host's time to enqueue
+# them can exceed the GPU's time to run them. Lesson 12's ``pacing_rows`` sets each
+# backward's host time, measured now, beside the GPU and back-to-back times of the
+# benchmark, and reads them with ``who_paced`` (a host time longer than back to back,
+# past the limit, is *inconsistent*: lesson 12 says why). Beside them, the host's floor
+# for any backward written in Python: an autograd function whose backward launches
+# nothing and hands back gradients made beforehand. It does the same work in every
+# case, so its own range shows how far host times drift between measurements. cuDNN's
+# backward is C++ inside PyTorch and pays no such Python round trip.
 
 
 class _GradientsReady(torch.autograd.Function):
@@ -640,14 +596,14 @@ BACKWARD_OF = {"SDPA cuDNN": "SDPA cuDNN", "two-pass": PORTABLE, "atomic": ATOMI
 
 
 def backward_calls(q, k, v, causal):
-    """{name: kit.Timer} of the backwards of BACKWARD_OF (Gluon where it runs)."""
+    """{name: kit.Timer} of the backwards of BACKWARD_OF (Gluon where it runs): the
+    very calls that the benchmark timed, so that host and back to back time the same."""
     scale = q.shape[-1] ** -0.5
     cudnn = kit.sdpa_providers(causal, scale, ["SDPA cuDNN"])["SDPA cuDNN"]
     calls = {"SDPA cuDNN": kit.backward_timer(cudnn, q, k, v)}
     for name, atomic in (("two-pass", False), ("atomic", True)):
-        calls[name] = kit.backward_timer(attention, q, k, v, causal=causal,
-                                         sm_scale=scale, atomic_dq=atomic,
-                                         warp_specialized=False)
+        calls[name] = kit.backward_timer(V2_BWD.attention, q, k, v, causal=causal,
+                                         sm_scale=scale, atomic_dq=atomic)
     if FWD.warp_specialized_unsupported(q, k, v) is None:
         calls["Gluon"] = kit.backward_timer(attention, q, k, v, causal=causal,
                                             sm_scale=scale, warp_specialized=True)
@@ -657,20 +613,23 @@ def backward_calls(q, k, v, causal):
 if __name__ == "__main__" and kit.ON_GPU:
     import pandas as pd
 
-    N, hosts = V2.SIZES[0], []
+    N, hosts, floors = V2.SIZES[0], [], []
     for B, H, D in V2.CASES:
         for causal in (False, True):
             q, k, v = (torch.randn(B, H, N, D, device=kit.DEVICE, dtype=torch.float16,
                                    requires_grad=True) for _ in range(3))
             hosts += PROFILE.pacing_rows(results, B, H, N, D, causal, "bwd",
                                          backward_calls(q, k, v, causal), BACKWARD_OF)
-            floor = PROFILE.host_ms(kit.backward_timer(_GradientsReady.apply, q, k, v))
+            floors.append(1e3 * PROFILE.host_ms(
+                kit.backward_timer(_GradientsReady.apply, q, k, v)))
             print(f"D={D:3d} {'causal    ' if causal else 'non-causal'}: a Python "
-                  f"backward that launches nothing, host {1e3 * floor:.0f} us")
+                  f"backward that launches nothing, host {floors[-1]:.0f} us")
             del q, k, v
     hosts = pd.DataFrame(hosts).set_index(["D", "causal", "call"])
     hosts["host, no plans (us)"] = hosts["host, no plans (us)"].astype("Int64")
-    print(PROFILE.plans_saved(hosts.drop(index="SDPA cuDNN", level="call")))
+    print(f"The backward that launches nothing, the same work in every case, measured "
+          f"{min(floors):.0f} to {max(floors):.0f} us: host times drift that far. "
+          + PROFILE.plans_saved(hosts.drop(index="SDPA cuDNN", level="call")))
 elif __name__ == "__main__":
     print("Launch overhead is a GPU question: under the interpreter every call runs on "
           "the host anyway.")
@@ -679,13 +638,12 @@ hosts if __name__ == "__main__" and kit.ON_GPU else None
 # %%
 # Where the backward's time goes
 # ------------------------------
-# A profile says more than a guess. The CUDA profiler below times each kernel of lesson
-# 07's two-pass backward over a few passes at :math:`D = 128` and the longest sequence
-# of the sweep, and, knowing how many matrix products each kernel executes, gives each
-# kernel's own multiply rate. On Hopper it then profiles the warp-specialized backward
-# the same way, and last SDPA's cuDNN backward, whose longest kernel is counted as five
-# products, as FlashAttention's is. Each kernel's time is the fastest of a few profiles
-# of three passes each, since one profile alone can be disturbed.
+# The CUDA profiler times each kernel of lesson 07's two-pass backward at :math:`D =
+# 128` and the sweep's longest sequence and, from the matrix products each kernel
+# executes, gives each kernel's multiply rate; on Hopper then the warp-specialized
+# backward, and last SDPA's cuDNN backward, whose longest kernel counts as five
+# products, as FlashAttention's does. Each kernel's time is the fastest of a few
+# profiles of three passes each: one profile alone can be disturbed.
 
 BACKWARD_PRODUCTS = {"attn_bwd_preprocess_kernel": 0, "attn_bwd_dkdv_kernel": 4,
                      "attn_bwd_dq_kernel": 3, "attn_bwd_ws_kernel": 5}
@@ -769,24 +727,18 @@ elif __name__ == "__main__":
           "there are no GPU kernels to time.")
 
 # %%
-# The percentages are of the matrix-multiply rate measured above. If the
-# warp-specialized kernel multiplies more slowly than the two-pass kernels, its whole
-# gain is the two products it does not execute, and its schedule still has room; if it
-# multiplies faster, part of its gain is the schedule. The last lines set it beside
-# cuDNN, whose call also runs small kernels around its main one (ours: :math:`\Delta`,
-# zeroing and converting :math:`dQ`). Where those take about as long as cuDNN's and our
-# main kernel multiplies more slowly than cuDNN's, the gap to cuDNN lies inside the main
-# kernel, not in the launches around it. The engineering notes record what was measured
-# inside it, and the variants of the schedule that were tried and dropped: a third
-# pipeline stage, double-buffered :math:`dQ` staging tiles, each group summing
-# :math:`dQ` over its own keys, and a :math:`dQ` made in 32-column pieces.
+# The percentages are of the matrix-multiply rate measured above. cuDNN's call also
+# runs small kernels around its main one (ours: :math:`\Delta`, zeroing and converting
+# :math:`dQ`): where those take about as long as cuDNN's and our main kernel multiplies
+# more slowly, the gap lies inside the main kernel. The engineering notes record the
+# schedules tried there and dropped: a third pipeline stage, double-buffered :math:`dQ`
+# staging, each group summing :math:`dQ` over its own keys, 32-column :math:`dQ` pieces.
 #
 # Exercises
 # ---------
 # Both are plain Python and run on a CPU. Write each attempt in a new cell at the end of
-# this lesson's notebook (linked at the end of the page), below the checks, and call its
-# check as the exercise shows; or in a file next to the lessons that loads this one
-# first:
+# this lesson's notebook (linked at the end of the page), or in a file next to the
+# lessons that loads this one first:
 #
 # .. code-block:: python
 #
@@ -801,11 +753,10 @@ elif __name__ == "__main__":
 #    ``block_m`` rows from the first that can see any of its keys. Write
 #    ``query_block_range(start_n, block_n, block_m, n)`` returning ``(first,
 #    unmasked_from, last)``: the first query block it walks, the first that needs no
-#    causal mask (``last`` when every block it walks needs the mask), and one past the
-#    last. Blocks are full width, as in the kernel: keys and queries past ``n`` count as
-#    present. Block sizes are powers of two, but either block may be the larger: the
-#    kernel's own ``first + BLOCK_N // BLOCK_M`` holds only where ``BLOCK_M`` divides
-#    ``BLOCK_N``. Then ``check_query_block_range(query_block_range)``.
+#    causal mask (``last`` if none), and one past the last. Blocks are full width, as in
+#    the kernel: keys and queries past ``n`` count as present. Block sizes are powers of
+#    two, either the larger: the kernel's ``first + BLOCK_N // BLOCK_M`` holds only
+#    where ``BLOCK_M`` divides ``BLOCK_N``. Then ``check_query_block_range(...)``.
 # 2. **Counting products.** Write ``products_per_block_pair(atomic_dq)`` for lesson 07's
 #    backward: how many matrix products one (key block, query block) pair costs with and
 #    without atomic :math:`dQ`, counting the :math:`dQ` pass's. Then

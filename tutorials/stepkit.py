@@ -1498,6 +1498,24 @@ def loop_verdict(gpu, b2b, ours, peers, limit=SPREAD_LIMIT):
     )
 
 
+def below_one(ratio):
+    """"0.998x", not "1.00x", for a ratio just under 1 (not counted at or above 1)."""
+    digits = 2
+    while float(f"{ratio:.{digits}f}") >= 1 > ratio and digits < 6:
+        digits += 1
+    return f"{ratio:.{digits}f}x"
+
+
+def standing(choice, rates, spreads):
+    """"fastest", "tie" or "slower": choice among rates ({provider: rate}, higher is
+    faster), a tie where it and the fastest are no further apart than the larger of
+    their timings' spreads ({provider: fraction})."""
+    best = max(rates, key=rates.get)
+    tied = [name for name, rate in rates.items()
+            if rates[best] / rate - 1 <= max(spreads[name], spreads[best])]
+    return "slower" if choice not in tied else "fastest" if tied == [choice] else "tie"
+
+
 def b2b_overview(gpu, b2b, name=None):
     """One sentence over every timing: each call's back-to-back time over its GPU
     time (from the rates gpu and b2b, a column per provider, an "N" level in the
@@ -1847,5 +1865,103 @@ def draw_programs_and_blocks(n, block):
            title=f"n = {n} elements, BLOCK = {block}: grid = cdiv({n}, {block})"
            f" = {programs} programs")
     ax.axis("off")
+    fig.tight_layout()
+    return fig
+
+
+def draw_roles(blocks=4):
+    """Lesson 11's schedule of one program: the loader warp's TMA copies and two
+    consumer groups' products and exponentials, P_{j-1}V_{j-1} beside exp_j."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    lanes = {"loader warp": 2.0, "consumer group 0": 1.0, "consumer group 1": 0.0}
+    tensor, alu, copy = "#3b7dd8", "#e4a23c", "#7f7f7f"
+    text = functools.partial(ax.text, ha="center", va="center")
+    for j in range(blocks + 1):
+        loads = ((f"K{j}", j * 3.0), (f"V{j}", j * 3.0 + 1.3)) if j < blocks else ()
+        for name, t in loads:
+            ax.broken_barh([(t, 1.2)], (lanes["loader warp"] - 0.3, 0.6), color=copy)
+            text(t + 0.6, 2.0, name, color="white")
+        for lane, offset in (("consumer group 0", 1.4), ("consumer group 1", 2.4)):
+            t, y = j * 3.0 + offset, lanes[lane]
+            if j < blocks:
+                ax.broken_barh([(t, 0.8)], (y - 0.3, 0.6), color=tensor)
+                text(t + 0.4, y, f"S{j}", color="white")
+                ax.broken_barh([(t + 0.85, 1.1)], (y - 0.3, 0.6), color=alu)
+                text(t + 1.4, y, f"exp{j}")
+            if j > 0:  # P_{j-1} V_{j-1} runs on the tensor cores while exp_j runs
+                ax.broken_barh([(t + 0.85, 1.1)], (y - 0.42, 0.12), color=tensor)
+                text(t + 1.4, y - 0.55, f"P{j - 1}V{j - 1}")
+    ax.set_yticks(list(lanes.values()), list(lanes.keys()))
+    ax.set(xticks=[], ylim=(-0.8, 2.5), xlabel="time (illustrative)",
+           title="Roles in one program: the loader copies, two consumer groups compute")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in (copy, tensor, alu)]
+    names = ["TMA copy into a buffer", "tensor cores (wgmma)",
+             "exponentials (ordinary cores)"]
+    fig.legend(handles, names, loc="lower center", ncol=3, frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    return fig
+
+
+def draw_ring(ring_slot, blocks=6, stages=2):
+    """Lesson 11's ring of K/V buffers: for each key block, its buffer and the parity
+    each wait names, from ring_slot(j, stages) -> (buffer, full, empty)."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 2.6))
+    colors = ["#3b7dd8", "#e4a23c", "#2ca02c"]
+    for j in range(blocks):
+        buffer, full, empty = ring_slot(j, stages)
+        ax.add_patch(plt.Rectangle((j, buffer), 0.92, 0.9, color=colors[buffer % 3]))
+        label = f"block {j}\nfull: wait {full}\nempty: wait {empty}"
+        ax.text(j + 0.46, buffer + 0.45, label, ha="center", va="center", color="white")
+    ax.set(xlim=(0, blocks), ylim=(stages, 0), xticks=[],
+           xlabel="key blocks, in the order the loader fills them",
+           title=f"A ring of {stages} buffers: the parity each wait names, per use")
+    buffers = range(stages)
+    ax.set_yticks([b + 0.45 for b in buffers], [f"buffer {b}" for b in buffers])
+    fig.tight_layout()
+    return fig
+
+
+def draw_split(keys=128, queries=64, D=128):
+    """Lesson 13's split of a query block between two consumer groups: their dK, dV
+    accumulators, the shared dS^T, and the dQ tile sent in 32-column boxes."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(8, 3.4),
+                             gridspec_kw={"width_ratios": [1, 1, 1.4]})
+    colors = ("#3b7dd8", "#e4a23c")
+    text = dict(ha="center", va="center", fontsize=10, color="white")
+    for g in range(2):
+        first, last = g * keys // 2, (g + 1) * keys // 2 - 1
+        axes[0].add_patch(plt.Rectangle((0, g * keys / 2), D, keys / 2,
+                                        color=colors[g]))
+        axes[0].text(D / 2, g * keys / 2 + keys / 4,
+                     f"group {g}:\nkeys {first}-{last}\ndK, dV", **text)
+        axes[1].add_patch(plt.Rectangle((0, g * keys / 2), queries, keys / 2,
+                                        color=colors[g], alpha=0.8))
+        axes[1].text(queries / 2, g * keys / 2 + keys / 4,
+                     f"$dS^T$ of\ngroup {g}\n(shared)", **text)
+        axes[2].add_patch(plt.Rectangle((g * D / 2, 0), D / 2, queries,
+                                        color=colors[g]))
+        axes[2].text(g * D / 2 + D / 4, queries / 2,
+                     f"group {g}:\ncolumns\n{g * D // 2}-{(g + 1) * D // 2 - 1}",
+                     zorder=3, bbox=dict(facecolor=colors[g], edgecolor="none", pad=1),
+                     **text)
+    panels = [("accumulators", D, keys, "head dim", "key"),
+              ("$dS^T$ in shared memory", queries, keys, "query", "key"),
+              ("dQ tile sent by TMA reduction", D, queries, "head dim", "query")]
+    for ax, (title, w, h, xl, yl) in zip(axes, panels):
+        ax.set(xlim=(0, w), ylim=(h, 0))
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(xl, fontsize=10)
+        ax.set_ylabel(yl, fontsize=10)
+        ax.tick_params(labelsize=10)
+    for column in range(32, D, 32):
+        axes[2].axvline(column, color="white", linestyle="--", linewidth=1.5)
+    fig.suptitle(f"Two consumer groups share a query block (D = {D}, {keys} keys per "
+                 f"program, {queries} queries per block)", fontsize=11)
     fig.tight_layout()
     return fig
