@@ -57,15 +57,15 @@ def best_makespan(times, workers):
 def test_the_plan_puts_the_longest_lesson_first_on_the_least_loaded_worker():
     shards = shard_build.plan(list(SEEDED), 4, SEEDED)
     assert shards == [
-        ["07-fused-attention-v2-backward", "03-long-softmax", "01-first-kernel"],
-        ["11-hopper-forward-gluon", "10-long-softmax-gluon", "12-hopper-forward-profiled"],
-        ["13-hopper-backward-gluon", "06-fused-attention-v2-forward", "04-tiled-matmul"],
-        ["02-fused-softmax", "05-fused-attention-v1"]]
+        ["08-decode-attention"],
+        ["07-fused-attention-v2-backward", "03-long-softmax", "06-fused-attention-v2-forward", "01-first-kernel"],
+        ["11-hopper-forward-gluon", "05-fused-attention-v1", "04-tiled-matmul", "12-hopper-forward-profiled"],
+        ["13-hopper-backward-gluon", "02-fused-softmax", "10-long-softmax-gluon", "09-gluon-primer"]]
     # Longest-first is within 4/3 - 1/(3 * workers) of the best possible plan (Graham's bound), which a
     # search over every plan finds here.
     assert makespan(shards, SEEDED) <= (4 / 3 - 1 / 12) * best_makespan(SEEDED.values(), 4)
     assert [len(s) for s in shard_build.plan(list(SEEDED), 1, SEEDED)] == [len(SEEDED)]
-    assert shard_build.plan(list(SEEDED), 1, SEEDED)[0][0] == "07-fused-attention-v2-backward"
+    assert shard_build.plan(list(SEEDED), 1, SEEDED)[0][0] == max(SEEDED, key=SEEDED.get)
 
 
 def test_the_plan_is_deterministic_and_every_lesson_runs_once():

@@ -9,9 +9,9 @@ sequence length, head dimension and masking mode, in two versions: with a pass o
 own for :math:`dQ`, and with FlashAttention-2's atomic additions (`tl.atomic_add
 <https://triton-lang.org/main/python-api/generated/triton.language.atomic_add.html>`_).
 It connects them to PyTorch's autograd and measures both against PyTorch's cuDNN and
-flash backends. The Hopper part, from the next lesson (:doc:`10-long-softmax-gluon`) on,
-takes both passes to Gluon: :doc:`11-hopper-forward-gluon` and
-:doc:`13-hopper-backward-gluon`.
+flash backends. Next: :doc:`08-decode-attention`, attention at one query token; the
+Hopper part, from :doc:`09-gluon-primer` on, takes both passes to Gluon
+(:doc:`11-hopper-forward-gluon`, :doc:`13-hopper-backward-gluon`).
 
 You will learn:
 

@@ -23,7 +23,7 @@ Each kernel is compiled here for an H100 (``sm_90a``), which needs no GPU, and t
 facts printed come from the compiled kernels; a Hopper GPU also runs them. Gluon's API
 moves between releases: this lesson is written for Triton 3.6.0, which builds the site
 on an H100, checked to compile with 3.6.0 and 3.9.0, and says which names moved on
-another. It follows the portable lessons, up to :doc:`07-fused-attention-v2-backward`;
+another. It follows the portable lessons (the last: :doc:`08-decode-attention`);
 next: :doc:`10-long-softmax-gluon`, the first real kernel made of these pieces.
 Triton's `Gluon tutorials
 <https://github.com/triton-lang/triton/tree/main/python/tutorials/gluon>`_ go further.

@@ -8,7 +8,7 @@ flight, by dtype"): each program holds its chunk in registers, as fp32, until th
 statistics arrive, so fewer programs fit on an SM. This lesson keeps the chunk in
 shared memory instead, as the 16-bit values read, which Gluon allows and Triton not.
 
-Previous lesson: :doc:`07-fused-attention-v2-backward`, the last of the portable path;
+Previous lesson: :doc:`09-gluon-primer`, which shows each Gluon piece alone;
 next: :doc:`11-hopper-forward-gluon`. This one builds on :doc:`03-long-softmax`, its
 split-row kernel and the online softmax of Milakov and Gimelshein (`arXiv:1805.02867
 <https://arxiv.org/abs/1805.02867>`_). Gluon is introduced by Triton's own `Gluon
