@@ -429,7 +429,7 @@ def test_the_diagram_draws():
     import matplotlib
 
     matplotlib.use("Agg")
-    fig = L08.draw_decode_layout()
+    fig = L08.kit.draw_decode_layout()
     assert len(fig.axes) == 2
     import matplotlib.pyplot as plt
 

@@ -221,7 +221,7 @@ def test_c_printed_captures_what_c_writes_to_descriptor_1_and_restores_it(capfd)
         libc.printf(b"buffered %d\n", 42)  # C buffers it when descriptor 1 is not a terminal
 
     print("printed before", flush=True)
-    assert LESSON.c_printed(write).splitlines() == ["raw write", "buffered 42"]
+    assert LESSON.kit.c_printed(write).splitlines() == ["raw write", "buffered 42"]
     os.write(1, b"after\n")
     out = capfd.readouterr().out
     assert "printed before" in out and "after" in out and "raw write" not in out
@@ -235,7 +235,7 @@ def test_c_printed_puts_descriptor_1_back_when_the_call_raises(capfd):
         raise RuntimeError("the launch failed")
 
     with pytest.raises(RuntimeError, match="the launch failed"):
-        LESSON.c_printed(fail)
+        LESSON.kit.c_printed(fail)
     os.write(1, b"still here\n")
     out = capfd.readouterr().out
     assert "still here" in out and "lost" not in out

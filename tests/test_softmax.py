@@ -772,7 +772,7 @@ def test_lesson_02_names_the_reference_copys_dip_and_the_fraction_of_the_large_b
     below it are named, with step 2's fraction of the large-buffer copy, but are no dip."""
     table = softmax_rates(copy=[1024.0, 1973.0, 2938.0, 2409.0, 615.0, 2941.0],
                           **{LESSON_02.PERSISTENT: [1057.0, 2127.0, 2908.0, 2941.0, 633.0, 2775.0]})
-    line = LESSON_02.reference_dips(table, 2928.0)
+    line = LESSON_02.kit.reference_dips(table, 2928.0, LESSON_02.PERSISTENT, "step 2")
     assert "below the large-buffer one at float32, N = 256, 1024, 32768; bfloat16, N = 256;" in line
     assert "step 2 reaches 22% to 73% of the large-buffer copy there (the dips apart)" in line
     assert "At float32, N = 32768 it ran at 82% of its speed at a shorter row" in line
@@ -783,11 +783,11 @@ def test_lesson_02_names_the_reference_copys_dip_and_the_fraction_of_the_large_b
 def test_lesson_02_calls_no_dip_where_the_copy_keeps_up_or_only_rises():
     table = softmax_rates(copy=[2700.0, 2800.0, 2900.0, 2950.0, 2700.0, 2950.0],
                           **{LESSON_02.PERSISTENT: [2600.0] * 6})
-    assert LESSON_02.reference_dips(table, 2928.0) == (
+    assert LESSON_02.kit.reference_dips(table, 2928.0, LESSON_02.PERSISTENT, "step 2") == (
         "That copy is nowhere more than 10% below the large-buffer one.")
     rising = softmax_rates(copy=[1000.0, 2000.0, 2500.0, 2600.0, 600.0, 2900.0],
                            **{LESSON_02.PERSISTENT: [1050.0, 2100.0, 2550.0, 2700.0, 630.0, 2900.0]})
-    line = LESSON_02.reference_dips(rising, 2928.0)
+    line = LESSON_02.kit.reference_dips(rising, 2928.0, LESSON_02.PERSISTENT, "step 2")
     assert "float32, N = 256, 1024, 16384, 32768; bfloat16, N = 256;" in line
     assert "step 2 reaches 22% to 92% of the large-buffer copy there." in line
     assert "dip" not in line  # 2600 after 2500: still rising, however far below the large-buffer copy

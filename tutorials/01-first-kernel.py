@@ -146,33 +146,10 @@ def where_am_i_kernel(n, BLOCK: tl.constexpr):
     tl.device_print("offsets, -1 where masked", shown)
 
 
-def c_printed(run):
-    """Call run() and return, as text, what it wrote to file descriptor 1, C's
-    standard output: where the GPU's printing lands, which notebooks and this page
-    never see, since they replace only Python's sys.stdout."""
-    import ctypes
-    import os
-    import sys
-    import tempfile
-
-    sys.stdout.flush()  # what Python printed before stays out of the capture
-    saved = os.dup(1)
-    with tempfile.TemporaryFile() as captured:
-        os.dup2(captured.fileno(), 1)
-        try:
-            run()
-        finally:
-            ctypes.CDLL(None).fflush(None)  # C buffers its output when not a terminal
-            os.dup2(saved, 1)
-            os.close(saved)
-        captured.seek(0)
-        return captured.read().decode(errors="replace")
-
-
 if __name__ == "__main__":
     where_am_i_kernel[(2,)](6, BLOCK=4, num_warps=1)
     if kit.ON_GPU:  # the printed lines leave the GPU at the synchronization
-        lines = c_printed(torch.cuda.synchronize).splitlines()
+        lines = kit.c_printed(torch.cuda.synchronize).splitlines()
         print(f"{len(lines)} lines from the GPU's threads, {len(set(lines))} distinct:")
         print("\n".join(sorted(set(lines))))
 

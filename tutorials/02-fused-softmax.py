@@ -572,37 +572,6 @@ def versus_naive(ratio, copy_share, limit=kit.SPREAD_LIMIT):
     return line
 
 
-def reference_dips(table, copy_gbs, ours=PERSISTENT, limit=kit.SPREAD_LIMIT):
-    """A sentence: the cases (dtype, N; N ascending) where the copy of the same tensor
-    runs more than limit below copy_gbs, the large-buffer copy, with ours' fraction of
-    copy_gbs; apart, its dips: more than limit slower than at a shorter row."""
-    copy, share = table[kit.SAME_BYTES], table[ours] / copy_gbs
-    low = copy < (1 - limit) * copy_gbs
-    if not low.any():
-        return f"That copy is nowhere more than {limit:.0%} below the large-buffer one."
-    fastest = copy.groupby(level="dtype", sort=False).cummax()
-    shorter = fastest.groupby(level="dtype", sort=False).shift()  # at shorter rows
-    dip = low & (copy < (1 - limit) * shorter)
-    line = (
-        f"That copy runs more than {limit:.0%} below the large-buffer one at "
-        f"{kit.name_cases(copy[low].index)}"
-    )
-    if (low & ~dip).any():
-        there = share[low & ~dip]
-        line += (
-            f"; step 2 reaches {there.min():.0%} to {there.max():.0%} of the "
-            "large-buffer copy there" + (" (the dips apart)" if dip.any() else "")
-        )
-    for key in dip[dip].index:
-        line += (
-            f". At {key[0]}, N = {key[1]} it ran at {copy[key] / shorter[key]:.0%} "
-            "of its speed at a shorter row: the reference itself dipped, so step "
-            f"2's {table[ours][key] / copy[key]:.0%} of it is {share[key]:.0%} of "
-            "the large-buffer copy"
-        )
-    return line + "."
-
-
 if __name__ == "__main__":
     others = (*OURS, "naive PyTorch", kit.SAME_BYTES)
     peers = [c for c in table.columns if c not in others]
@@ -622,7 +591,7 @@ if __name__ == "__main__":
         f"bandwidth; against it, step 2 reaches {span(same, '.0%')}, at least 95% "
         f"at {(same >= 0.95).sum()} of {len(same)} sizes."
     )
-    print(reference_dips(table, copy_gbs))
+    print(kit.reference_dips(table, copy_gbs, PERSISTENT, "step 2"))
     if kit.ON_GPU:
         print(kit.loop_verdict(table, b2b, PERSISTENT, peers))
         print(kit.spread_summary(results))

@@ -96,53 +96,11 @@ import triton.language as tl
 # below: a ragged batch in chunks, and the same batch in pages.
 
 
-def draw_decode_layout(lengths=(13, 5, 9), chunk=4, page=4):
-    """Left: each sequence's cache in chunks, a program each, those past its length
-    skipped. Right: its block table, then the shuffled pool of pages."""
-    import matplotlib.pyplot as plt
-
-    kit.plot_style()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(8.8, 3.6), width_ratios=[1.4, 1])
-    shades, empty = ["#a9bfd2", "#d9c9a3", "#b7d3b0", "#e0b4b4"], "#eeeeee"
-
-    def cell(ax, x, y, color, text="", width=1.0):
-        ax.add_patch(plt.Rectangle((x, y), width, 0.8, fc=color, ec="white"))
-        ax.text(x + width / 2, y + 0.4, text, ha="center", va="center", fontsize=8)
-
-    capacity, rows = triton.cdiv(max(lengths), chunk) * chunk, len(lengths)
-    for b, n in enumerate(lengths):
-        y = 1.6 * (rows - 1 - b)
-        for j in range(capacity):
-            cell(left, j, y, shades[j // chunk % 4] if j < n else empty)
-        for s in range(capacity // chunk):
-            left.text(s * chunk + chunk / 2, y + 0.95, f"state {s}" if s * chunk < n
-                      else "skipped", ha="center", fontsize=7)  # fmt: skip
-        left.text(-0.3, y + 0.4, f"b = {b}, length {n}", ha="right", va="center")
-        left.annotate(f"merge: $o_{b}$", (capacity + 0.2, y + 0.4), va="center",
-                      xytext=(capacity + 2, y + 0.4), arrowprops=dict(arrowstyle="<-"))
-    left.set(xlim=(-6.5, capacity + 5.5), ylim=(-0.2, 1.6 * rows),
-             title=f"Split-KV: chunks of {chunk} keys, a program each")
-    pages = [triton.cdiv(n, page) for n in lengths]
-    table = torch.randperm(sum(pages), generator=torch.Generator().manual_seed(3))
-    for b, row in enumerate(t.tolist() for t in table.split(pages)):
-        right.text(-0.2, rows - b + 0.4, f"b = {b}", ha="right", va="center")
-        for i in range(max(pages)):
-            cell(right, i, rows - b, *((shades[b], row[i]) if i < len(row) else
-                                       (empty, "pad")))  # fmt: skip
-        for p in row:
-            cell(right, 0.5 * p, -0.6, shades[b], p, width=0.5)
-    right.set(xlim=(-1.5, max(max(pages), sum(pages) / 2) + 0.2), ylim=(-0.8, rows + 1),
-              title=f"Paged: a block table (rows),\nthen the pool of {page}-key pages")
-    left.axis("off"), right.axis("off")
-    fig.tight_layout()
-    return fig
-
-
 if __name__ == "__main__":
     import matplotlib.pyplot as plt
 
     print(kit.describe_platform())
-    draw_decode_layout()
+    kit.draw_decode_layout()
     plt.show()
 
 # %%

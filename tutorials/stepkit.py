@@ -150,6 +150,27 @@ def save_results(tutorial, benchmarks):
         json.dump(record, f, indent=1)
 
 
+def c_printed(run):
+    """Call run() and return, as text, what it wrote to file descriptor 1, C's
+    standard output: where the GPU's printing lands, which notebooks and this page
+    never see, since they replace only Python's sys.stdout."""
+    import ctypes
+    import tempfile
+
+    sys.stdout.flush()  # what Python printed before stays out of the capture
+    saved = os.dup(1)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 1)
+        try:
+            run()
+        finally:
+            ctypes.CDLL(None).fflush(None)  # C buffers its output when not a terminal
+            os.dup2(saved, 1)
+            os.close(saved)
+        captured.seek(0)
+        return captured.read().decode(errors="replace")
+
+
 # -- Timing -----------------------------------------------------------------
 
 SPREAD_LIMIT = 0.10  # timings of one case further apart than this are retimed
@@ -786,6 +807,38 @@ def bandwidth_benchmark(M, sizes, dtypes, providers):
 
     cases = [{"dtype": name, "N": N} for name in dtype_of for N in sizes]
     return case_benchmark(cases, timers, work)
+
+
+def reference_dips(table, copy_gbs, ours, name, limit=SPREAD_LIMIT):
+    """A sentence: the cases (dtype, N; N ascending) of table (GB/s) where the copy of
+    the same tensor runs more than limit below copy_gbs, the large-buffer copy, with
+    ours' (called name) fraction of copy_gbs; apart, its dips: more than limit slower
+    than at a shorter row."""
+    copy, share = table[SAME_BYTES], table[ours] / copy_gbs
+    low = copy < (1 - limit) * copy_gbs
+    if not low.any():
+        return f"That copy is nowhere more than {limit:.0%} below the large-buffer one."
+    fastest = copy.groupby(level="dtype", sort=False).cummax()
+    shorter = fastest.groupby(level="dtype", sort=False).shift()  # at shorter rows
+    dip = low & (copy < (1 - limit) * shorter)
+    line = (
+        f"That copy runs more than {limit:.0%} below the large-buffer one at "
+        f"{name_cases(copy[low].index)}"
+    )
+    if (low & ~dip).any():
+        there = share[low & ~dip]
+        line += (
+            f"; {name} reaches {there.min():.0%} to {there.max():.0%} of the "
+            "large-buffer copy there" + (" (the dips apart)" if dip.any() else "")
+        )
+    for key in dip[dip].index:
+        line += (
+            f". At {key[0]}, N = {key[1]} it ran at {copy[key] / shorter[key]:.0%} "
+            f"of its speed at a shorter row: the reference itself dipped, so {name}'s "
+            f"{table[ours][key] / copy[key]:.0%} of it is {share[key]:.0%} of "
+            "the large-buffer copy"
+        )
+    return line + "."
 
 
 def plot_bandwidth(table, ceiling, title, ours=()):
@@ -1963,5 +2016,47 @@ def draw_split(keys=128, queries=64, D=128):
         axes[2].axvline(column, color="white", linestyle="--", linewidth=1.5)
     fig.suptitle(f"Two consumer groups share a query block (D = {D}, {keys} keys per "
                  f"program, {queries} queries per block)", fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def draw_decode_layout(lengths=(13, 5, 9), chunk=4, page=4):
+    """Left: each sequence's cache in chunks, a program each, those past its length
+    skipped. Right: its block table, then the shuffled pool of pages."""
+    import matplotlib.pyplot as plt
+
+    plot_style()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(8.8, 3.6), width_ratios=[1.4, 1])
+    shades, empty = ["#a9bfd2", "#d9c9a3", "#b7d3b0", "#e0b4b4"], "#eeeeee"
+
+    def cell(ax, x, y, color, text="", width=1.0):
+        ax.add_patch(plt.Rectangle((x, y), width, 0.8, fc=color, ec="white"))
+        ax.text(x + width / 2, y + 0.4, text, ha="center", va="center", fontsize=8)
+
+    capacity, rows = triton.cdiv(max(lengths), chunk) * chunk, len(lengths)
+    for b, n in enumerate(lengths):
+        y = 1.6 * (rows - 1 - b)
+        for j in range(capacity):
+            cell(left, j, y, shades[j // chunk % 4] if j < n else empty)
+        for s in range(capacity // chunk):
+            left.text(s * chunk + chunk / 2, y + 0.95, f"state {s}" if s * chunk < n
+                      else "skipped", ha="center", fontsize=7)  # fmt: skip
+        left.text(-0.3, y + 0.4, f"b = {b}, length {n}", ha="right", va="center")
+        left.annotate(f"merge: $o_{b}$", (capacity + 0.2, y + 0.4), va="center",
+                      xytext=(capacity + 2, y + 0.4), arrowprops=dict(arrowstyle="<-"))
+    left.set(xlim=(-6.5, capacity + 5.5), ylim=(-0.2, 1.6 * rows),
+             title=f"Split-KV: chunks of {chunk} keys, a program each")
+    pages = [triton.cdiv(n, page) for n in lengths]
+    table = torch.randperm(sum(pages), generator=torch.Generator().manual_seed(3))
+    for b, row in enumerate(t.tolist() for t in table.split(pages)):
+        right.text(-0.2, rows - b + 0.4, f"b = {b}", ha="right", va="center")
+        for i in range(max(pages)):
+            cell(right, i, rows - b, *((shades[b], row[i]) if i < len(row) else
+                                       (empty, "pad")))  # fmt: skip
+        for p in row:
+            cell(right, 0.5 * p, -0.6, shades[b], p, width=0.5)
+    right.set(xlim=(-1.5, max(max(pages), sum(pages) / 2) + 0.2), ylim=(-0.8, rows + 1),
+              title=f"Paged: a block table (rows),\nthen the pool of {page}-key pages")
+    left.axis("off"), right.axis("off")
     fig.tight_layout()
     return fig
