@@ -229,3 +229,15 @@ def test_the_back_to_back_note_names_no_cause():
 def test_the_ceiling_line_says_what_was_measured():
     line = kit.ceiling_line(650.0)
     assert kit.MATMUL_CEILING in line and "650 TFLOP/s" in line
+
+
+def test_the_traffic_diagram_draws_a_segment_per_read_and_write_and_the_totals():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    fig = kit.draw_memory_traffic({"naive": [("a", 1, 0), ("b", 1, 1)], "fused": [("c", 1, 1)]}, "t")
+    ax = fig.axes[0]
+    assert len(ax.patches) == 5  # a read; b read and written; c read and written
+    texts = [t.get_text() for t in ax.texts]
+    assert "3 in all" in texts and "2 in all" in texts and "b\nwritten" in texts
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["naive", "fused"]

@@ -71,8 +71,17 @@ def naive_softmax(x):
 # it takes to move that element, so its run time is set by memory traffic, and the fused
 # kernel should approach :math:`(8MN + 4M) / 2MN \approx 4\times` the naive version's
 # speed. ``torch.softmax`` is already a single fused kernel, so against it the question
-# is only how close each comes to the hardware.
-#
+# is only how close each comes to the hardware. The traffic, kernel by kernel, from the
+# comments above (the :math:`M`-element terms left out):
+
+if __name__ == "__main__":
+    kit.draw_memory_traffic({
+        "naive: five kernels": [("max", 1, 0), ("x - max", 1, 1), ("exp", 1, 1),
+                                ("sum", 1, 0), ("divide", 1, 1)],
+        "fused: one kernel": [("softmax", 1, 1)],
+    }, "A row-wise softmax's traffic through device memory, in units of MN elements")
+
+# %%
 # Step 1: one program per row
 # ---------------------------
 # The simplest fused kernel gives each row to its own program: the grid is :math:`(M,)`,

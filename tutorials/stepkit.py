@@ -1835,6 +1835,34 @@ def draw_program_orders(orders, in_flight):
     return fig
 
 
+def draw_memory_traffic(versions, title):
+    """Device-memory traffic of each version of a computation, in units of its input's
+    size: a bar per version, a segment per kernel, its reads then its writes, each
+    labelled; versions: {version: [(kernel, reads, writes), ...]}."""
+    import matplotlib.pyplot as plt
+
+    plot_style()
+    fig, ax = plt.subplots(figsize=(8.5, 2.2 + 0.5 * len(versions)))
+    shades = {"read": DIAGRAM["done"], "written": DIAGRAM["now"]}
+    for y, (version, kernels) in enumerate(versions.items()):
+        x = 0.0
+        for kernel, *amounts in kernels:
+            for (what, shade), amount in zip(shades.items(), amounts):
+                if amount:
+                    ax.barh(y, amount, left=x, color=shade, edgecolor="white")
+                    color = "white" if what == "written" else "black"
+                    ax.text(x + amount / 2, y, f"{kernel}\n{what}", ha="center",
+                            va="center", fontsize=8, color=color)
+                    x += amount
+        ax.text(x + 0.1, y, f"{x:g} in all", va="center")
+    ax.set_yticks(range(len(versions)), list(versions))
+    ax.invert_yaxis()
+    ax.set(xlabel="elements moved, in units of the input's size", title=title)
+    ax.set_xlim(0, ax.get_xlim()[1] + 1)
+    fig.tight_layout()
+    return fig
+
+
 def draw_split_row(splits=4):
     """Schematic of split-row softmax: SPLITS programs share a row, each
     reduces its chunk to (m, d), publishes it and bumps the row's arrival
