@@ -81,6 +81,15 @@ def test_warp_specialize_pads_to_warp_groups_and_setmaxnreg_splits_the_budget():
     assert 128 * (240 + 240 + 24) <= 65536
 
 
+def test_the_facts_line_says_when_a_kernel_has_no_register_cap(capsys):
+    copier = L.compile_for_hopper(L.copy_kernel, x_ptr="*fp32", y_ptr="*fp32", n="i32", BLOCK=1024, VEC=4)
+    L.show_facts("copy_kernel", copier, r"ld\.global[.\w]*")
+    L.show_facts("ring_kernel", L.compile_ring(2), r"setmaxnreg\.\w+")
+    first, second = capsys.readouterr().out.splitlines()
+    assert "no .maxnreg" in first and "None" not in first
+    assert ".maxnreg 168," in second
+
+
 def test_ring_timeline_follows_the_ring_rules():
     times = L.ring_timeline(tiles=8)
     for t, (start, landed, use, done) in enumerate(times):
@@ -189,13 +198,26 @@ def broken_kernel(desc, y_ptr, tiles, GROUPS: gl.constexpr, CONSUMER_REGISTERS: 
 
 
 def test_deeper_ring_rejects_a_ring_that_does_not_grow_with_stages():
-    with pytest.raises(AssertionError, match="allocate the ring with STAGES slots"):
+    with pytest.raises(AssertionError, match="allocate STAGES slots"):
         L.check_ring_depth(two_slots_kernel, DEEPEST)
 
 
 def test_deeper_ring_says_where_a_kernel_does_not_compile():
     with pytest.raises(AssertionError, match="does not compile for sm_90a"):
         L.check_ring_depth(broken_kernel, DEEPEST)
+
+
+@gluon.jit
+def renamed_kernel(tile_desc, y_ptr, tiles, GROUPS: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr,
+                   PRODUCER_REGISTERS: gl.constexpr, STAGES: gl.constexpr):
+    """A mistake: ring_kernel's first argument renamed, which compile_ring cannot pass by name."""
+    deep_ring_kernel(tile_desc, y_ptr, tiles, GROUPS, CONSUMER_REGISTERS, PRODUCER_REGISTERS, STAGES)
+
+
+@pytest.mark.parametrize("kernel", [renamed_kernel, L.ring_kernel, deep_ring_kernel.fn])
+def test_deeper_ring_names_the_arguments_a_kernel_must_keep(kernel):
+    with pytest.raises(TypeError, match="desc, y_ptr, tiles, GROUPS, CONSUMER_REGISTERS, PRODUCER_REGISTERS, STAGES"):
+        L.check_ring_depth(kernel, DEEPEST)
 
 
 @pytest.mark.parametrize("stages, error", [("7", TypeError), (True, TypeError), (0, ValueError), (7.0, TypeError)])

@@ -2,7 +2,7 @@
 Hopper: a Gluon primer, one piece at a time
 ===========================================
 
-Lessons 01 to 07 write Triton: the compiler decides which thread holds which element,
+Lessons 01 to 08 write Triton: the compiler decides which thread holds which element,
 what goes through shared memory and which warps do what. Hopper's fastest paths need
 the program to decide: bulk copies by the Tensor Memory Accelerator (TMA), tensor-core
 products reading shared memory (``wgmma``), warps with roles, registers moved to the
@@ -15,28 +15,31 @@ kernel that shows it. You will learn:
 * one ``wgmma``: which operands may be in registers, and who holds the result (drawn);
 * ``warp_specialize``: a producer warp and consumers passing tiles through a two-slot
   ring (its timeline drawn);
-* ``setmaxnreg``, and why 9 working warps launch as 12 (the register budget drawn);
+* ``setmaxnreg``, which acts on a *warp group* (4 warps), and why 9 working warps
+  launch as 12 (the register budget drawn);
 * how to read a compiled kernel's warps, ``.reqntid``, ``.maxnreg``, shared memory and
   registers from its metadata and PTX, on any machine.
 
-Each kernel is compiled here for an H100 (``sm_90a``), which needs no GPU, and the
-facts printed come from the compiled kernels; a Hopper GPU also runs them. Gluon's API
-moves between releases: this lesson is written for Triton 3.6.0, which builds the site
-on an H100, checked to compile with 3.6.0 and 3.9.0, and says which names moved on
-another. It follows the portable lessons (the last: :doc:`08-decode-attention`);
-next: :doc:`10-long-softmax-gluon`, the first real kernel made of these pieces.
-Triton's `Gluon tutorials
+Each kernel is compiled here for an H100 (``sm_90a``), which needs no GPU; the facts
+printed come from the compiled kernels, and a Hopper GPU also runs them. Gluon's API
+moves between releases: the lesson is written for Triton 3.6.0, which builds the site,
+checked with 3.9.0 (same facts), and says which names moved on another. Previous:
+:doc:`08-decode-attention`; next: :doc:`10-long-softmax-gluon`, a real kernel of
+these pieces. Triton's `Gluon tutorials
 <https://github.com/triton-lang/triton/tree/main/python/tutorials/gluon>`_ go further.
 """
 
 # %%
 # Which Triton, and compiling for an H100 anywhere
 # ------------------------------------------------
-# Given ``GPUTarget("cuda", 90, 32)``, ``triton.compile`` compiles for ``sm_90a`` on a
-# machine with no GPU, down to the PTX and the binary ``ptxas`` makes of it. The
-# compiled kernel's ``metadata`` holds its launch facts (warps, shared memory), its PTX
-# the instructions, and ``cuobjdump`` (shipped with Triton) reads the registers per
-# thread from the binary. The interpreter cannot run Gluon: on a CPU this page compiles.
+# Given ``GPUTarget("cuda", 90, 32)``, ``triton.compile`` compiles for ``sm_90a`` with
+# no GPU, down to the PTX and the binary ``ptxas`` makes of it. Each kernel below
+# prints, from its ``metadata``, its PTX and its binary (read by ``cuobjdump``, shipped
+# with Triton): warps; ``.reqntid``, the threads per program the PTX promises, so
+# ``ptxas`` can plan registers for exactly that many; ``.maxnreg``, a cap on registers
+# per thread that Triton sets only in warp-specialized kernels; shared memory; registers
+# per thread; and *local memory*, per-thread DRAM where ``ptxas`` spills registers it
+# lacks (0: no spills). The interpreter cannot run Gluon: on a CPU this page compiles.
 
 import collections
 import inspect
@@ -69,9 +72,8 @@ except (ImportError, AttributeError) as error:  # kernels defined, never compile
     IMPORT_PROBLEM = str(error)
     gluon = types.SimpleNamespace(jit=lambda fn: fn)
     gl, tma, mbarrier = (types.SimpleNamespace(constexpr=None) for _ in range(3))
-# Triton 3.6 names TMA's copies async_copy_global_to_shared and
-# async_copy_shared_to_global; later releases async_load and async_store (3.9 raises on
-# the old names).
+# TMA's copies: async_copy_global_to_shared and async_copy_shared_to_global in Triton
+# 3.6, async_load and async_store later (3.9 refuses the old names).
 tma_load = getattr(tma, "async_load", None) or getattr(
     tma, "async_copy_global_to_shared", None)
 tma_store = getattr(tma, "async_store", None) or getattr(
@@ -99,11 +101,10 @@ def gluon_problem():
 
 
 def compile_for_hopper(kernel, num_warps=4, multiples_of_16=(), **args):
-    """kernel compiled for sm_90a, no GPU needed. args by name: a type string for a
-    run-time argument ("*fp32", "i32", a descriptor_type) or a constexpr's value.
-    Pointers are 16-byte aligned, as PyTorch allocates them; so are the integers named
-    in multiples_of_16 (Triton compiles such a variant for calls where they are).
-    Arguments left out take their defaults."""
+    """kernel compiled for sm_90a, no GPU needed. args by name (left out: defaults): a
+    type string for a run-time argument ("*fp32", "i32", a descriptor_type) or a
+    constexpr's value. Pointers are 16-byte aligned, as PyTorch allocates them, and so
+    are the integers in multiples_of_16 (Triton compiles a variant for such calls)."""
     parameters = inspect.signature(kernel.fn).parameters.items()
     args = {**{name: p.default for name, p in parameters if p.default is not p.empty},
             **args}
@@ -128,10 +129,9 @@ def descriptor_type(shape):
 def compiled_facts(compiled):
     """What the compiled kernel launches with and uses, read from its metadata, its
     PTX and (registers, local memory per thread) cuobjdump's report of the binary."""
-    ptx, found = compiled.asm["ptx"], {}
-    for name in ("reqntid", "maxnreg"):
-        match = re.search(rf"\.{name}\s+(\d+)", ptx)
-        found[name] = int(match[1]) if match else None
+    ptx = compiled.asm["ptx"]
+    found = {name: int(m[1]) if (m := re.search(rf"\.{name}\s+(\d+)", ptx)) else None
+             for name in ("reqntid", "maxnreg")}
     with tempfile.TemporaryDirectory() as folder:
         binary = os.path.join(folder, "kernel.cubin")
         with open(binary, "wb") as f:
@@ -149,8 +149,9 @@ def show_facts(name, compiled, instructions):
     f = compiled_facts(compiled)
     counts = collections.Counter(re.findall(instructions, compiled.asm["ptx"]))
     found = [f"{ptx} (x{count})" for ptx, count in sorted(counts.items())]
+    cap = f".maxnreg {f['maxnreg']}" if f["maxnreg"] else "no .maxnreg (one role)"
     print(f"{name} (Triton {triton.__version__}, sm_90a): {f['warps']} warps, "
-          f".reqntid {f['reqntid']}, .maxnreg {f['maxnreg']}, {f['shared']} bytes of "
+          f".reqntid {f['reqntid']}, {cap}, {f['shared']} bytes of "
           f"shared memory, {f['registers']} registers and {f['local']} bytes of local "
           f"memory per thread; in its PTX: {', '.join(found)}")
 
@@ -169,7 +170,8 @@ if __name__ == "__main__":
     problem = gluon_problem()
     SHOW = problem is None
     RUN = SHOW and why_not_run() is None
-    print(kit.describe_platform())
+    if kit.ON_GPU:  # on a CPU its line is about interpreter timings: none here
+        print(kit.describe_platform())
     print(problem or f"Triton {triton.__version__} has every Gluon name the primer "
           f"uses (written for {' and '.join(TESTED_WITH)}). " + (
               "The kernels run below." if RUN else "The kernels are compiled for "
@@ -182,12 +184,14 @@ if __name__ == "__main__":
 # block over threads. Gluon makes the spread part of the tensor's type: a *layout*.
 # ``BlockedLayout([4], [32], [4], [0])`` reads "4 adjacent elements per thread, 32
 # threads per warp, 4 warps, dimension 0 fastest": 512 elements, and a block of 1,024
-# wraps around once, so each thread holds two runs of 4. Four adjacent fp32 elements
-# are 16 bytes, the widest load one thread issues (``ld.global.v4``), when the length
-# is a multiple of 16 (the variant compiled here; lesson 10 tells why). The layout
-# object is data: Triton turns any layout into a *linear layout* (Zhou et al., 2025,
-# `arXiv:2505.23819 <https://arxiv.org/abs/2505.23819>`_), which says for each
-# register, lane and warp index which element it holds; ``owners`` reads that back.
+# wraps around once, so each thread holds two runs of 4. Four adjacent fp32 elements are
+# 16 bytes, the widest load one thread issues (``ld.global.v4``), when the length is a
+# multiple of 16 (the variant compiled here: the mask is then the same for all 4). The
+# layout object is data: Triton turns any layout into a *linear layout* (Zhou et al.,
+# 2025, `arXiv:2505.23819 <https://arxiv.org/abs/2505.23819>`_): each bit of a register,
+# lane or warp index stands for an element, and an index holds the XOR of its bits'.
+# ``owners(layout, shape)`` reads it back: three arrays of the tensor's shape, the warp,
+# lane and register holding each element.
 
 
 @gluon.jit
@@ -238,22 +242,19 @@ if SHOW:
 # %%
 # Shared memory, a TMA copy and its mbarrier
 # ------------------------------------------
-# ``gl.allocate_shared_memory`` gives the program a buffer; its layout
-# (``NVMMASharedLayout``, with swizzled rows) is the one both TMA and ``wgmma``
-# read. A *TMA descriptor*, made on the host, says the tensor's address, shape and
-# strides and the *box* a copy moves: one thread issues the copy of a whole
-# 64 x 64 tile, and the hardware moves it while every thread does something else.
+# A buffer from ``gl.allocate_shared_memory`` has a layout; TMA and ``wgmma`` read
+# ``NVMMASharedLayout``, whose swizzled rows let threads reading a column hit different
+# memory banks. A *TMA descriptor*, made on the host, holds the tensor's address, shape,
+# strides and the *box* one copy moves: a whole 64 x 64 tile, issued by one thread.
 #
-# Nobody waits on a copy: it lands in its own time. An *mbarrier* is a counter in
-# shared memory that completes when the arrivals it expects have come and the bytes it
-# was told about (``mbarrier.expect``) have landed; the copy names the barrier it
-# completes. Then the barrier starts over: its *phases* are numbered 0, 1, 2, ..., and
-# ``mbarrier.wait(bar, p)`` waits for the current phase to complete if its number's
-# parity is ``p``, and returns at once if not. The kernel below walks a row of tiles
-# through one buffer and one barrier: tile ``t`` completes phase ``t``, so it waits
-# with parity ``t & 1``. With the wrong parity the wait returns at once, the previous
-# tile still in the buffer. Before the next copy overwrites the buffer, the TMA store
-# reading it must be done: ``tma.store_wait(0)``.
+# A copy lands in its own time. An *mbarrier*, a counter in shared memory, completes
+# when the arrivals it expects have come and the bytes ``mbarrier.expect`` announced
+# have landed (the copy names its barrier), then starts over. Its *phases* are numbered
+# 0, 1, 2, ...: ``mbarrier.wait(bar, p)`` waits for the current phase to complete if
+# its number's parity is ``p``, and returns at once if not. Below, the tiles of a row
+# go through one buffer and one barrier: tile ``t`` completes phase ``t``, so its wait
+# names parity ``t & 1`` (the wrong one returns at once, the last tile still there).
+# ``tma.store_wait(0)`` waits for the store to read the buffer before the next copy.
 
 
 @gluon.jit
@@ -295,20 +296,19 @@ if SHOW:
 # One wgmma
 # ---------
 # ``warpgroup_mma(a, b, acc)`` computes ``acc + a @ b`` on the tensor cores with one
-# *warp group*: 4 warps, 128 threads, working as one. Its operands follow rules that
-# the compiler enforces:
+# warp group, its 128 threads as one. The compiler enforces its operands' rules:
 #
-# * ``a`` (M x K) may come from registers, in ``DotOperandLayout(0, acc_layout, 2)``
-#   (2: a thread's adjacent 16-bit values along K, 32 bits), or from shared memory;
+# * ``a`` (M x K) may come from registers, in ``DotOperandLayout(0, acc_layout, 2)`` (2:
+#   a thread's adjacent 16-bit values along K, 32 bits), or from shared memory;
 # * ``b`` (K x N) must be in shared memory, in an ``NVMMASharedLayout``;
 # * ``acc`` lives in registers, in an ``NVMMADistributedLayout``: its ``instr_shape``
 #   [16, N, 16] says each warp covers 16 rows and each instruction reduces 16 values of
 #   K (16-bit inputs), so one warp group covers 64 rows and K = 32 takes two
 #   ``wgmma.mma_async ... m64n64k16`` instructions.
 #
-# The kernel below loads A and B with TMA (as before) and multiplies them once, A from
-# shared memory or from registers. Asked to take B from registers, the compiler
-# refuses and says why; the cell prints its words.
+# The kernel below loads A and B with TMA and multiplies them once, A from shared memory
+# or from registers; asked to take B from registers, the compiler refuses, and the cell
+# prints why.
 
 
 def accumulator_layout(n):
@@ -374,7 +374,7 @@ def draw_accumulator(n=64):
     import matplotlib.pyplot as plt
 
     held = owners(accumulator_layout(n), [64, n])
-    fig, (whole, zoom) = plt.subplots(1, 2, figsize=(10, 4.6),
+    fig, (whole, zoom) = plt.subplots(1, 2, figsize=(10, 5.4),
                                       gridspec_kw=dict(width_ratios=[1, 1.3]))
     whole.imshow(held["warp"], cmap="Pastel1", vmin=0, vmax=8, aspect="auto")
     for w in range(4):
@@ -382,11 +382,12 @@ def draw_accumulator(n=64):
     whole.add_patch(plt.Rectangle((-0.5, -0.5), 8, 16, fill=False, lw=2))
     whole.set(title=f"the 64 x {n} accumulator, by warp", xlabel="column",
               ylabel="row")
-    zoom.imshow(held["lane"][:16, :8] % 4, cmap="Pastel2", aspect="auto")
+    colours = zoom.imshow(held["register"][:16, :8], cmap=plt.get_cmap("Pastel2", 4),
+                          vmin=-0.5, vmax=3.5, aspect="auto")
+    fig.colorbar(colours, ax=zoom, ticks=range(4), label="register index")
     for (r, c), lane in np.ndenumerate(held["lane"][:16, :8]):
-        zoom.text(c, r, f"T{lane} r{held['register'][r, c]}", ha="center",
-                  va="center", fontsize=7)
-    zoom.set(title="the boxed corner: thread (lane) and register index",
+        zoom.text(c, r, f"T{lane}", ha="center", va="center", fontsize=12)
+    zoom.set(title="the boxed corner: thread (lane) per cell, colour: register",
              xlabel="column", ylabel="row")
     fig.tight_layout()
     plt.show()
@@ -399,21 +400,20 @@ if SHOW:
 # Two roles: ``warp_specialize`` and a two-slot ring
 # --------------------------------------------------
 # In ``tma_copy_kernel`` every warp waits for each copy. With *roles*, one warp only
-# issues copies (the *producer*) and the others only use the tiles (the *consumers*),
-# and a *ring* of two buffers lets tile ``t + 1`` land while tile ``t`` is used.
-# ``gl.warp_specialize([(consumer, args), (producer, args)], [1], [24])`` runs the
-# first function in the kernel's own warps (the *default partition*, 4 here) and each
-# other in extra warps: 1 warp for the producer, which asks for 24 registers per thread
-# (the next section says what that does).
+# issues copies (the *producer*) and the others only use the tiles (the *consumers*); a
+# *ring* of two buffers lets tile ``t + 1`` land while tile ``t`` is used.
+# ``gl.warp_specialize([(consumer, args), (producer, args)], [1], [24])`` runs the first
+# function in the kernel's own 4 warps (the *default partition*) and each other in extra
+# warps: 1 for the producer, asking for 24 registers per thread (see the next section).
 #
-# Each slot has two mbarriers. ``full`` completes when the slot's copy lands (one
-# arrival, ``expect``'s, and its bytes); ``empty`` when every consumer group has
-# arrived after reading the slot. Tile ``t`` goes to slot ``t % 2`` as the slot's use
+# Each slot has two mbarriers: ``full`` completes when the slot's copy lands (one
+# arrival, ``expect``'s, and its bytes), ``empty`` when every consumer group has arrived
+# after reading the slot. Tile ``t`` goes to slot ``t % 2`` as the slot's use
 # ``u = t // 2``: the consumer waits on ``full`` for phase ``u``, parity ``u & 1``. The
 # producer, before refilling, waits on ``empty`` for phase ``u - 1``, the previous
-# tile's release, so with the opposite parity; for ``u = 0`` that parity is 1 while
-# the fresh barrier is in phase 0, so the first wait on each slot returns at once. The
-# consumers sum the tiles, each group its rows: ``y[r, c]`` sums row ``r`` of each tile.
+# tile's release: the opposite parity, so for ``u = 0`` it names 1 while the fresh
+# barrier is in phase 0, and the first wait on each slot returns at once. The consumers
+# sum the tiles, each group its rows: ``y[r, c]`` sums row ``r`` of each tile.
 
 
 @gluon.jit
@@ -490,11 +490,10 @@ if SHOW:
     show_facts("ring_kernel, 1 consumer group", compile_ring(1), r"setmaxnreg\.\w+")
 
 # %%
-# The ring's timeline, by its rules: a copy starts when the producer has issued the
-# previous one and its slot's last tile has been used; a tile is used when it has
-# landed and the consumer is done with the one before. Here a tile takes longer to use
-# than to copy, so the producer waits on ``empty``; the labels give each wait's parity.
-# A schedule drawn from those rules, not a measurement.
+# The ring's timeline by its rules, not a measurement: a copy starts when the producer
+# has issued the previous one and its slot's last tile has been used; a tile is used
+# once it has landed and the consumer is done with the one before. Use takes longer than
+# copy here, so the producer waits on ``empty``. Labels: each wait's parity.
 
 
 def ring_timeline(tiles=6, copy_time=1.0, use_time=1.6):
@@ -535,19 +534,19 @@ if SHOW:
 # %%
 # ``setmaxnreg``, and the warps nobody asked for
 # ----------------------------------------------
-# An SM has 65,536 32-bit registers. At launch each thread of a program may use at most
-# ``.maxnreg`` (Triton sets 65,536 over the program's threads, down to a multiple of
-# 8). A producer only issues copies and needs few: ``setmaxnreg.dec`` gives registers
-# back to the program's pool and ``setmaxnreg.inc`` takes them, for the consumers.
+# An SM has 65,536 32-bit registers. In a warp-specialized kernel Triton caps each
+# thread at launch at ``.maxnreg``: 65,536 over the program's threads, down to a
+# multiple of 8 (kernels with one role have none). A producer, which only issues copies,
+# gives registers back to the program's pool with ``setmaxnreg.dec``; the consumers take
+# them with ``setmaxnreg.inc``; counts are multiples of 8.
 #
-# ``setmaxnreg`` acts on a whole *warp group*, its 4 warps together. So Triton pads the
-# extra warps of ``warp_specialize`` to whole warp groups (its ``AllocateWarpGroups``
-# pass): the producer's warp comes with 3 that only give registers back, which is why
-# the ring above launched more warps than the 5 that work, and the budget counts every
-# launched warp. The default partition asks for nothing and gets what the others leave.
-# Below, two consumer groups (the tile's rows split between them) ask for 240
-# registers and the producer for 24; ``partition_registers`` finds the count each
-# partition's code moves to in the PTX, which records each instruction's source line.
+# ``setmaxnreg`` acts on a whole warp group, so Triton pads ``warp_specialize``'s extra
+# warps to whole groups (its ``AllocateWarpGroups`` pass): the producer's warp comes
+# with 3 that only give registers back, the ring above launched more than its 5 working
+# warps, and the budget counts every launched warp. The default partition asks for
+# nothing and gets what the others leave. Below, two consumer groups (half the tile's
+# rows each) ask for 240 and the producer for 24; ``partition_registers`` finds each
+# partition's count in the PTX by its source lines (``.loc``).
 
 
 def partition_registers(compiled, partitions):
@@ -615,12 +614,11 @@ if SHOW:
 # %%
 # The shared-memory budget of a program
 # -------------------------------------
-# Registers are one budget, shared memory the other: an H100 gives a program at most
-# 227 KiB (232,448 bytes, CUDA's ``sharedMemPerBlockOptin`` for compute capability
-# 9.0), and a program asking for more does not launch. The metadata's ``shared`` holds
-# the buffers a program allocates, 8 bytes per mbarrier and what Triton adds (the
-# arguments ``warp_specialize`` hands its worker warps, alignment). The chart splits
-# each kernel's figure: buffers and barriers counted from its code, and the rest.
+# Registers are one budget, shared memory the other: an H100 gives a program at most 227
+# KiB (232,448 bytes, CUDA's ``sharedMemPerBlockOptin`` for compute capability 9.0); a
+# program asking for more does not launch. The metadata's ``shared`` holds the buffers a
+# program allocates, 8 bytes per mbarrier and what Triton adds (the arguments
+# ``warp_specialize`` hands its worker warps, alignment): the chart splits it.
 
 H100_SHARED_PER_PROGRAM = 232_448
 
@@ -644,7 +642,8 @@ def draw_shared_budget(programs):
     ax.axvline(H100_SHARED_PER_PROGRAM / 1024, color="black", linestyle="--")
     ax.set_yticks(range(len(programs)), list(programs))
     ax.set(xlabel="KiB of shared memory (dashed: an H100's 227 KiB per program)",
-           xlim=(0, 240))
+           xlim=(0, 240), title="Shared memory per program: buffers, mbarriers "
+           "and Triton's own bytes")
     fig.tight_layout()
     plt.show()
 
@@ -661,8 +660,8 @@ if SHOW:
 # %%
 # On a Hopper GPU: every kernel against PyTorch
 # ---------------------------------------------
-# Fresh random inputs for each kernel, compared with float64 PyTorch; the ring sums 9
-# tiles through its 2 slots, so each slot's barriers go around several phases.
+# Each kernel on fresh random inputs against float64 PyTorch; the ring sums 9 tiles
+# through 2 slots, several phases each. Without a Hopper GPU the cell says it skipped.
 
 
 def check_on_gpu():
@@ -690,35 +689,37 @@ def check_on_gpu():
 
 if RUN:
     check_on_gpu()
+elif __name__ == "__main__":
+    print(f"Skipped, nothing run: {problem or why_not_run()}.")
 
 # %%
 # Exercises
 # ---------
 # Lesson 11's forward is these pieces at full size: TMA loads into a ring of K and V
 # tiles, a producer warp, two consumer groups of ``wgmma``, and ``setmaxnreg``. The
-# exercises change ``ring_kernel``; their checks compile it for ``sm_90a``, which needs
-# no GPU (on a Hopper GPU the first also runs it against float64 PyTorch on fresh
-# random inputs), and never print the number you look for.
-# Write your attempt in a new cell at the end of this lesson's notebook, or in a file
-# next to the lessons that does ``L09 = kit.load_lesson("09-gluon-primer")`` (after
-# ``import stepkit as kit``) and uses ``L09``'s names: ``L09.gl``, ``L09.tma_load``...
+# exercises change ``ring_kernel``; their checks compile it for ``sm_90a``, no GPU
+# needed (on a Hopper GPU the first also runs it), and never print the number you look
+# for. Write your attempt in a new cell at the end of this lesson's notebook, or in a
+# file next to the lessons that does ``L09 = kit.load_lesson("09-gluon-primer")`` and
+# uses its names (``L09.gl``, ``L09.check_ring_depth``...).
 #
 # 1. **A deeper ring.** Copy ``ring_kernel``, its producer and its consumer, and give
-#    the ring ``STAGES`` slots (a last argument ``STAGES: gl.constexpr``; tile ``t``
-#    goes to slot ``t % STAGES`` as use ``t // STAGES``). With 128 x 128 fp16 tiles and
-#    two consumer groups, what is the deepest ring one H100 program may have? Predict
-#    it from the chart, then run ``check_ring_depth(my_ring_kernel, stages)``: it
-#    compiles your kernel at that depth and one deeper, and reads their shared memory.
-# 2. **A busier producer.** A producer that computes addresses needs more registers:
-#    say 56 instead of 24. How many can the two consumer groups then ask for, so that
-#    both get the same count? Predict it from the register budget, then run
+#    the ring ``STAGES`` slots (keep the argument names, which the check passes, and add
+#    ``STAGES: gl.constexpr`` last; tile ``t`` goes to slot ``t % STAGES`` as use
+#    ``t // STAGES``). With 128 x 128 fp16 tiles and two consumer groups, what is the
+#    deepest ring one H100 program may have? Predict it from the chart, then run
+#    ``check_ring_depth(my_ring_kernel, stages)``: it compiles your kernel at that depth
+#    and one deeper and reads their shared memory.
+# 2. **A busier producer.** A producer that computes addresses needs 56 registers, not
+#    24. How many can the two consumer groups then ask for, both getting the same?
+#    Counts are multiples of 8; the three warp groups split the program's launch budget
+#    (its threads x ``.maxnreg``, printed above). Predict it, then run
 #    ``check_busier_producer(count)``: it compiles ``ring_kernel`` with your count and
-#    reads what each partition's code moves to in the PTX.
+#    reads its PTX.
 
 
 def _checkable(exercise, name, value, low, high, step=1):
-    """Refuse a value that is no answer; False (saying why) where this Triton cannot
-    build the primer's kernels."""
+    """Refuse a value that is no answer; False (saying why) if Gluon names moved."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r}")
     if not low <= value <= high or value % step:
@@ -746,14 +747,16 @@ def check_ring_depth(kernel, stages):
     exercise = "A deeper ring"
     if not _checkable(exercise, "stages", stages, 1, 64):
         return
+    names = [*ring_kernel.arg_names, "STAGES"]  # compile_ring passes them by name
+    if list(getattr(kernel, "arg_names", []))[:len(names)] != names:
+        raise TypeError(f"kernel must be a @gluon.jit kernel whose arguments start "
+                        f"{', '.join(names)}, as ring_kernel's; got {kernel!r}")
     shared = {depth: _compiled_ring(exercise, groups=2, kernel=kernel, cols=128,
                                     STAGES=depth).metadata.shared
               for depth in (stages, stages + 1)}
     if shared[stages + 1] - shared[stages] < 128 * 128 * 2:
-        raise AssertionError(f"{exercise}: one stage more adds only "
-                             f"{shared[stages + 1] - shared[stages]} bytes of shared "
-                             "memory, less than a 128 x 128 fp16 tile: allocate the "
-                             "ring with STAGES slots")
+        raise AssertionError(f"{exercise}: one stage more adds less shared memory "
+                             "than a 128 x 128 fp16 tile: allocate STAGES slots")
     if shared[stages] > H100_SHARED_PER_PROGRAM:
         raise AssertionError(f"{exercise}: at STAGES = {stages} your program needs "
                              f"{shared[stages]:,} bytes of shared memory, more than "
