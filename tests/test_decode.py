@@ -400,29 +400,71 @@ def test_closing_table_gives_ratios_and_microseconds():
     b2b = made_up_table([(1, 4096, 500, 400, 500, 2500)])
     table = L08.closing_table(gpu, b2b, ["SDPA cuDNN", "SDPA flash"])
     row = table.loc[(1, 4096)]
-    assert row["x best SDPA, GPU time"] == 2.0 and row["x copy, GPU time"] == 0.8
-    assert row["x best SDPA, back to back"] == 1.0 and row["x copy, back to back"] == 0.2
+    assert row["x best SDPA, GPU time"] == "2" and row["x copy, GPU time"] == "0.8"
+    assert row["x best SDPA, back to back"] == "1" and row["x copy, back to back"] == "0.2"
     microseconds = L08.cache_bytes(1, 4096) / 2000 * 1e-3  # GB/s is bytes per microsecond over 1e3
-    assert row["µs per step, GPU time"] == round(microseconds, 2)
-    assert row["µs per step, back to back"] == round(4 * microseconds, 2)
+    assert row["µs per step, GPU time"] == f"{microseconds:,.1f}"
+    assert row["µs per step, back to back"] == f"{4 * microseconds:,.1f}"
+
+
+def test_closing_table_under_the_interpreter_has_one_timing_and_shows_tiny_ratios():
+    """The interpreter's one table (gpu is b2b): one set of columns, named for the wall clock and for SDPA math,
+    and ratios thousands of times below 1 in significant figures, never 0.0."""
+    table = made_up_table([(1, 256, 0.00109, 2.4, 2.0, 103.0)])
+    closing = L08.closing_table(table, table, ["SDPA cuDNN"])
+    assert list(closing.columns) == ["x SDPA cuDNN, wall clock", "x copy, wall clock", "µs per step, wall clock"]
+    row = closing.loc[(1, 256)]
+    assert row["x SDPA cuDNN, wall clock"] == "0.000454" and row["x copy, wall clock"] == "1.06e-05"
+    assert row["µs per step, wall clock"] == f"{L08.cache_bytes(1, 256) * 1e-3 / 0.00109:,.1f}"
 
 
 def test_splits_verdict():
     import pandas as pd
 
     curve = pd.DataFrame({4096: [500.0, 1000.0, 2000.0, 1900.0]}, index=pd.Index([1, 2, 4, 8], name="splits"))
-    assert L08.splits_verdict(curve, {4096: 8}) == [
-        "L = 4096: the rule's 8 splits reach 95% of the best measured (splits = 4, 2000 GB/s); one split 25%"]
+    expected = "L = 4096: the rule's 8 splits reach 95% of the best measured (splits = 4, 2000 GB/s); one split 25%"
+    assert L08.splits_verdict(curve, {4096: 8}, on_gpu=False) == [expected]  # within 5%: nothing to explain
+    assert L08.splits_verdict(curve, {4096: 8}, on_gpu=True) == [expected]
+
+
+def test_splits_verdict_says_why_the_rule_loses_under_the_interpreter_only():
+    import pandas as pd
+
+    curve = pd.DataFrame({256: [0.0018, 0.0015, 0.0013, 0.0011]}, index=pd.Index([1, 2, 4, 8], name="splits"))
+    numbers = "L = 256: the rule's 8 splits reach 61% of the best measured (splits = 1, 0.0018 GB/s); one split 100%"
+    on_gpu = L08.splits_verdict(curve, {256: 8}, on_gpu=True)
+    assert on_gpu == [numbers]
+    interpreted = L08.splits_verdict(curve, {256: 8}, on_gpu=False)
+    assert interpreted[0].startswith(numbers) and "one after another" in interpreted[0]
+    assert "merge work" in interpreted[0] and "not a GPU's verdict" in interpreted[0]
+    more = pd.DataFrame({256: [0.001, 0.0015, 0.0013, 0.0018]}, index=pd.Index([1, 2, 4, 8], name="splits"))
+    assert L08.splits_verdict(more, {256: 2}, on_gpu=False) == [  # the best has more splits: no such cause
+        "L = 256: the rule's 2 splits reach 83% of the best measured (splits = 8, 0.0018 GB/s); one split 56%"]
+
+
+def test_peers_note_names_the_peers_that_ran_and_why_others_did_not():
+    cpu = [L08.OURS, "SDPA math", L08.NAIVE, kit.SAME_BYTES]
+    assert L08.peers_note(cpu, on_gpu=False) == (
+        "Peers timed in this build: SDPA math, naive PyTorch, copy of the same bytes. Not timed: SDPA cuDNN, "
+        "SDPA flash, FlexAttention, which need a GPU; SDPA math stands in for SDPA.")
+    gpu = [L08.OURS, "SDPA cuDNN", "SDPA flash", kit.FLEX, L08.NAIVE, kit.SAME_BYTES]
+    assert L08.peers_note(gpu, on_gpu=True) == (
+        "Peers timed in this build: SDPA cuDNN, SDPA flash, FlexAttention, naive PyTorch, copy of the same bytes.")
+    assert L08.peers_note(gpu[:3] + gpu[4:], on_gpu=True).endswith(
+        "Not timed: FlexAttention, which this GPU or PyTorch lacks.")
 
 
 def test_page_verdict():
     import pandas as pd
 
     index = pd.MultiIndex.from_tuples([(16384, 16), (16384, 256), (65536, 16)], names=["L", "page"])
-    assert L08.page_verdict(pd.Series([0.99, 1.01, 0.97], index=index)) == (
-        "Paged over contiguous: 0.97x to 1.01x; within 5% everywhere.")
-    assert L08.page_verdict(pd.Series([0.90, 1.0, 0.97], index=index)) == (
-        "Paged over contiguous: 0.90x to 1.00x; more than 5% slower at L = 16384 in pages of 16 (0.90x).")
+    for on_gpu in (True, False):  # within 5%: the same sentence everywhere
+        assert L08.page_verdict(pd.Series([0.99, 1.01, 0.97], index=index), on_gpu) == (
+            "Paged over contiguous: 0.97x to 1.01x; within 5% everywhere.")
+    slower = "Paged over contiguous: 0.90x to 1.00x; more than 5% slower at L = 16384 in pages of 16 (0.90x)."
+    assert L08.page_verdict(pd.Series([0.90, 1.0, 0.97], index=index), on_gpu=True) == slower
+    interpreted = L08.page_verdict(pd.Series([0.90, 1.0, 0.97], index=index), on_gpu=False)
+    assert interpreted.startswith(slower) and "per operation" in interpreted and "not a GPU's verdict" in interpreted
 
 
 def test_the_diagram_draws():

@@ -21,15 +21,16 @@ You will learn:
 * grouped-query attention: the query heads of one key/value head as the rows of one
   ``tl.dot``, so that each cached byte is read once;
 * ragged batches and a paged cache, as servers keep them, and what checking costs;
-* why a short decode step is paced by the host, and how a CUDA graph removes that;
+* why a short decode step is paced by the host, and how a CUDA graph (a recording of
+  a step's kernel launches that the GPU replays in one call) removes that;
 * how it compares with SDPA's cuDNN and flash backends, FlexAttention, plain PyTorch
-  and a copy of the same bytes.
+  and a copy of the same bytes (on a GPU; see below for a build without one).
 """
 
 # %%
 # Where the kernels run
 # ---------------------
-# ``stepkit`` picks a CUDA GPU when there is one, otherwise the Triton interpreter.
+# ``stepkit`` picks a CUDA GPU when there is one, else the Triton interpreter (below).
 
 import functools
 import math
@@ -44,6 +45,13 @@ DEVICE = kit.DEVICE
 import triton
 import triton.language as tl
 
+INTERPRETED = "" if kit.ON_GPU else (  # printed here and beside the benchmark
+    "\nNo GPU: every timing here is the Triton interpreter's (NumPy on the CPU, program"
+    " after program), only illustrative. On a GPU the page computes instead GB/s "
+    "beside a copy of the same bytes, the split rule against each split count, SDPA's "
+    "cuDNN, flash and FlexAttention peers, and µs per step.")
+print(kit.describe_platform() + INTERPRETED) if __name__ == "__main__" else None
+
 # %%
 # One token against the cache
 # ---------------------------
@@ -52,11 +60,12 @@ import triton.language as tl
 # the scale :math:`c` being :math:`1/\sqrt{D}` by default. With :math:`H_q` query heads
 # sharing :math:`H_{kv}` key/value heads, a step reads :math:`2 B H_{kv} L D` cached
 # elements for :math:`4 B H_q L D` FLOPs: :math:`H_q / H_{kv}` FLOPs per byte in fp16 or
-# bf16 (4 in the model measured here: 32 query heads, 8 key/value heads), where an H100
-# can do some 300. Decoding is bound by memory; its yardstick is a copy of the same
-# bytes. Lesson 06's grid gives each program a block of queries of one head: here,
-# :math:`B H_q` programs each walking a whole cache, at :math:`B = 1` 32 programs for
-# the 132 SMs of an H100, most idle, the rest with few loads in flight (measured below).
+# bf16 (4 in the model timed on a GPU: 32 query, 8 key/value heads), where an H100 can
+# do some 300. Decoding is bound by memory; its yardstick is a copy of the same bytes.
+# Lesson 06's grid gives each program a block of queries of one head: here,
+# :math:`B H_q` programs each walking a whole cache, at :math:`B = 1` 32 programs for an
+# H100's 132 SMs, most idle, the rest with few loads in flight (on a GPU, measured
+# below).
 #
 # Split-KV
 # --------
@@ -99,7 +108,6 @@ import triton.language as tl
 if __name__ == "__main__":
     import matplotlib.pyplot as plt
 
-    print(kit.describe_platform())
     kit.draw_decode_layout()
     plt.show()
 
@@ -125,14 +133,14 @@ def split_kv_kernel(
     DIRECT: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     seq_head = tl.program_id(0).to(tl.int64)  # b * HKV + key/value head
-    split = tl.program_id(1)
+    split = tl.program_id(1)  # split-KV: which chunk of the cache
     b, kv_head = seq_head // HKV, seq_head % HKV
     length = capacity
-    if RAGGED:
+    if RAGGED:  # a ragged batch: this sequence's own length
         length = tl.minimum(tl.load(LENGTHS + b), capacity)
-    lo = split * chunk
+    lo = split * chunk  # this program's keys: lo to hi, none if it starts past the end
     hi = tl.minimum(lo + chunk, length)
-    rows = tl.arange(0, G_PAD)  # the query heads of this key/value head, padded
+    rows = tl.arange(0, G_PAD)  # grouped: this key/value head's G query heads, padded
     d = tl.arange(0, D)
     q_at = Q + b * sqb + (kv_head * G + rows)[:, None] * sqh + d[None, :] * sqd
     q = tl.load(q_at, mask=rows[:, None] < G, other=0.0)
@@ -146,13 +154,13 @@ def split_kv_kernel(
     for start in tl.range(lo, hi, BLOCK_N):  # no pass at all past the length
         keys = start + tl.arange(0, BLOCK_N)
         ok = keys < hi
-        if PAGE:
+        if PAGE:  # paged: the block table gives each key's page; its slot is key % PAGE
             page = tl.load(TABLE + b * st_row + keys // PAGE, mask=ok, other=0)
             page = tl.minimum(tl.maximum(page.to(tl.int64), 0), last_page)
             slot = (keys % PAGE).to(tl.int64)
             k_at = page * sk_outer + slot * sk_row
             v_at = page * sv_outer + slot * sv_row
-        else:
+        else:  # contiguous: row `keys` of sequence b's cache
             k_at = b * sk_outer + keys.to(tl.int64) * sk_row
             v_at = b * sv_outer + keys.to(tl.int64) * sv_row
         k = tl.load(k_head + k_at[:, None], mask=ok[:, None], other=0.0)
@@ -161,7 +169,7 @@ def split_kv_kernel(
             k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.where(ok[None, :], tl.dot(q, tl.trans(k)) * qk_scale, -float("inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: key `start` is valid
-        alpha = tl.exp2(m - m_new)
+        alpha = tl.exp2(m - m_new)  # lesson 06's online softmax, G rows at once
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -170,7 +178,7 @@ def split_kv_kernel(
     if DIRECT:  # one chunk: the state is the answer (0 / 0 = NaN for a length 0)
         o = (acc / l[:, None]).to(O.dtype.element_ty)
         tl.store(O + out_rows[:, None] * D + d[None, :], o, mask=rows[:, None] < G)
-    else:
+    else:  # split: a partial state (m, l, acc) for merge_kernel
         part = out_rows * splits + split
         keep = rows < tl.where(lo < length, G, 0)  # past the end: nothing to leave
         tl.store(M_PART + part, m, mask=keep)
@@ -455,9 +463,11 @@ if __name__ == "__main__":
 # heads) up, in GB/s of cache read by *GPU time* (the call replayed from a CUDA graph
 # after an L2 flush; *back to back*, below, is calls enqueued in a row: the
 # :doc:`performance page <../performance>`, "How we time"); a star marks the rule's
-# choice. Under the interpreter timings are NumPy's on the CPU, only illustrative.
+# choice. The interpreter, by its wall-clock time (log scale), runs programs one after
+# another: there splits fill no idle SMs, and the rule is not on trial.
 
 OURS, NAIVE, PAGED = "Triton split-KV", "naive PyTorch", "Triton paged"
+BY = "by GPU time" if kit.ON_GPU else "by the interpreter's wall-clock time"
 HQ, HKV, HEAD_DIM = (32, 8, 128) if kit.ON_GPU else (4, 2, 64)
 DTYPE = torch.bfloat16
 
@@ -477,13 +487,19 @@ def splits_timers(case):
                                  splits=case["splits"])}  # fmt: skip
 
 
-def splits_verdict(curve, chosen):
-    """A line per length (a column of curve: GB/s indexed by splits): the rule's
-    choice (chosen[L]) and one split, as fractions of the best split count."""
-    return [f"L = {L}: the rule's {chosen[L]} splits reach "
-            f"{rates[chosen[L]] / rates.max():.0%} of the best measured "
-            f"(splits = {rates.idxmax()}, {rates.max():.4g} GB/s); one split "
-            f"{rates[1] / rates.max():.0%}" for L, rates in curve.items()]
+def splits_verdict(curve, chosen, on_gpu=kit.ON_GPU):
+    """A line per length (a column of curve: GB/s by splits): the rule's choice
+    (chosen[L]) and one split over the best; under the interpreter, why fewer win."""
+    lines = []
+    for L, rates in curve.items():
+        n, best, top = chosen[L], rates.idxmax(), rates.max()
+        lines.append(f"L = {L}: the rule's {n} splits reach {rates[n] / top:.0%} of "
+                     f"the best measured (splits = {best}, {top:.4g} GB/s); one split "
+                     f"{rates[1] / top:.0%}")  # fmt: skip
+        if not on_gpu and best < n and rates[n] < 0.95 * top:
+            lines[-1] += (": not a GPU's verdict, as the interpreter runs programs one "
+                          "after another, so splitting only adds merge work")
+    return lines
 
 
 if __name__ == "__main__":
@@ -501,22 +517,24 @@ if __name__ == "__main__":
     print("\n".join(splits_verdict(curve, chosen)))
     fig = kit.plot_rates(curve.rename(columns=lambda L: f"L = {L}"), copy_gbs,
                          "copy bandwidth (large buffer)", "GB/s of cache read",
-                         f"B = 1, {HQ} query and {HKV} key/value heads, by splits",
-                         ours=[f"L = {L}" for L in lengths])  # fmt: skip
-    for L in lengths:
-        fig.axes[0].plot(chosen[L], curve.loc[chosen[L], L], "k*", markersize=12)
+                         f"B = 1, {HQ} query and {HKV} key/value heads, {BY}",
+                         ours=[f"L = {L}" for L in lengths], log_y=not kit.ON_GPU)
+    for L in lengths:  # the rule's choice, drawn above the curves' markers
+        fig.axes[0].plot(chosen[L], curve.loc[chosen[L], L], "k*", ms=12, zorder=9)
     plt.show()
 
 # %%
 # Benchmark
 # ---------
 # GB/s of cache read (K and V, once) from a contiguous bf16 cache, 32 query heads on 8
-# key/value heads, :math:`D = 128` (4, 2, 64, tiny sizes under the interpreter), beside
-# SDPA's cuDNN and flash backends (``enable_gqa=True``, chosen outside the timed call),
-# FlexAttention set up for decoding as its documentation says (compiled per shape,
-# ``enable_gqa=True``, its decoding kernel named where this PyTorch can), the PyTorch
-# definition, and a copy moving as many bytes. Cases past the free memory are named.
-# The table gives GB/s by GPU time, a range where timings spread by more than 10%.
+# key/value heads, :math:`D = 128` (4 on 2, :math:`D = 64` and tiny caches under the
+# interpreter), beside the PyTorch definition, a copy moving as many bytes and, on a
+# GPU, SDPA's cuDNN and flash backends (``enable_gqa=True``, chosen outside the timed
+# call) and FlexAttention set up for decoding as its documentation says (compiled per
+# shape, its decoding kernel named where this PyTorch can); on a CPU, "SDPA math",
+# SDPA's backend in plain PyTorch operations. Printed: the peers that ran, any case past
+# the free memory. GB/s by GPU time, or by the interpreter's wall-clock time (a log
+# scale: it is far slower than PyTorch), a range where timings spread by over 10%.
 
 BATCHES = [1, 8, 32] if kit.ON_GPU else [1, 2]
 LENGTHS = [1024, 4096, 16384, 65536, 131072] if kit.ON_GPU else [256, 1024]
@@ -535,6 +553,15 @@ def flex_decoding(scale):
         known else {})  # fmt: skip
     decode.context = kit.flex_settings
     return decode
+
+
+def peers_note(columns, on_gpu=kit.ON_GPU):
+    """The peers timed (columns: the benchmark's), and those the text names not."""
+    absent = [p for p in ("SDPA cuDNN", "SDPA flash", kit.FLEX) if p not in columns]
+    why = "which this GPU or PyTorch lacks" if on_gpu else "which need a GPU" + (
+        "; SDPA math stands in for SDPA" if "SDPA math" in columns else "")
+    return (f"Peers timed in this build: {', '.join(c for c in columns if c != OURS)}."
+            + (f" Not timed: {', '.join(absent)}, {why}." if absent else ""))
 
 
 def timers(case):
@@ -563,9 +590,11 @@ if __name__ == "__main__":
             f"B = {c['B']}, L = {c['L']}" for c in grid if c not in fits))
     results, gpu, b2b = kit.case_benchmark(
         fits, timers, lambda c: cache_bytes(c["B"], c["L"]) * 1e-6)
+    print(peers_note(gpu.columns) + INTERPRETED)
     for B in dict.fromkeys(c["B"] for c in fits):
         kit.plot_rates(gpu.xs(B, level="B"), copy_gbs, "copy bandwidth (large buffer)",
-                       "GB/s of cache read", f"B = {B}, by GPU time", ours=[OURS])
+                       "GB/s of cache read", f"B = {B}, {BY}", ours=[OURS],
+                       log_y=not kit.ON_GPU)  # fmt: skip
     plt.show()
 
 kit.rates_table(results, ["B", "L"], "GB/s") if __name__ == "__main__" else None
@@ -573,22 +602,26 @@ kit.rates_table(results, ["B", "L"], "GB/s") if __name__ == "__main__" else None
 # %%
 # Reading the numbers
 # -------------------
-# Per :math:`(B, L)`: the kernel over the fastest SDPA backend and over the copy, by GPU
-# time (as a server replays it) and back to back (eager, from Python), and a step's
-# microseconds: the latency per token. Then the targets it was built for: at or above
-# the best SDPA backend from :math:`L = 4\mathrm{K}` (0.98x where that reads at 0.9 of
-# the copy or more), and 0.9 of the copy at :math:`B = 1` from :math:`L = 16\mathrm{K}`.
+# Per :math:`(B, L)`: the kernel over the fastest SDPA backend (SDPA math on a CPU) and
+# over the copy, and a step's µs (the latency per token), by GPU time (as a server
+# replays it) and back to back (eager, from Python), or by the interpreter's one timing.
+# The targets, on a GPU: at or above the best SDPA backend from :math:`L = 4\mathrm{K}`
+# (0.98x where that reads at 0.9 of the copy or more); 0.9 of the copy at :math:`B = 1`
+# from :math:`L = 16\mathrm{K}`.
 
 
 def closing_table(gpu, b2b, peers):
-    """Per (B, L): ours over the best peer and the copy, µs per step, both timings."""
-    columns = {}
-    for how, table in (("GPU time", gpu), ("back to back", b2b)):
-        columns[f"x best SDPA, {how}"] = table[OURS] / table[peers].max(axis=1)
-        columns[f"x copy, {how}"] = table[OURS] / table[kit.SAME_BYTES]
-        sizes = [cache_bytes(B, L) * 1e-3 for B, L in table.index]
-        columns[f"µs per step, {how}"] = sizes / table[OURS]
-    return gpu[[]].assign(**columns).round(2)
+    """Per (B, L): ours over the best peer and the copy, µs per step, by each timing."""
+    best = peers[0] if len(peers) == 1 else "best SDPA"
+    timings = [("wall clock", b2b)] if gpu is b2b else [("GPU time", gpu),
+                                                        ("back to back", b2b)]
+    columns, sizes = {}, [cache_bytes(B, L) * 1e-3 for B, L in gpu.index]
+    for how, table in timings:
+        ratios = {best: table[peers].max(axis=1), "copy": table[kit.SAME_BYTES]}
+        for name, peer in ratios.items():
+            columns[f"x {name}, {how}"] = (table[OURS] / peer).map("{:.3g}".format)
+        columns[f"µs per step, {how}"] = (sizes / table[OURS]).map("{:,.1f}".format)
+    return gpu[[]].assign(**columns)
 
 
 def target_misses(gpu, peers):
@@ -634,12 +667,15 @@ def page_timers(case):
         paged_decode_attention, q, *pools, lengths, validate=False)}  # fmt: skip
 
 
-def page_verdict(ratio):
+def page_verdict(ratio, on_gpu=kit.ON_GPU):
     """A sentence from ratio, paged over contiguous speed indexed by (L, page)."""
     slow = ", ".join(f"L = {L} in pages of {p} ({r:.2f}x)"
                      for (L, p), r in ratio[ratio < 0.95].items())  # fmt: skip
     return (f"Paged over contiguous: {ratio.min():.2f}x to {ratio.max():.2f}x; "
-            + (f"more than 5% slower at {slow}." if slow else "within 5% everywhere."))
+            + (f"more than 5% slower at {slow}." if slow else "within 5% everywhere.")
+            + (" The interpreter pays per operation, and a paged tile has more (the "
+               "table's load, page and slot): not a GPU's verdict."
+               if slow and not on_gpu else ""))  # fmt: skip
 
 
 if __name__ == "__main__":
@@ -648,6 +684,7 @@ if __name__ == "__main__":
          for p in PAGE_SIZES], page_timers,
         lambda c: cache_bytes(PAGE_BATCH, c["L"]) * 1e-6)  # fmt: skip
     print(page_verdict(by_page[PAGED] / by_page[OURS]))
+    by_page.columns.name = "GB/s"  # named once, in the table's corner
 
 by_page.map(kit.shown_rate) if __name__ == "__main__" else None
 
@@ -655,10 +692,10 @@ by_page.map(kit.shown_rate) if __name__ == "__main__" else None
 # Launch cost: a decode step in a CUDA graph
 # ------------------------------------------
 # At short lengths launching the kernels from Python (checks, Triton's argument
-# handling, two launches) takes longer than running them: the host sets the pace (the
-# closing table's back-to-back columns). Servers capture a step in a CUDA graph once and
-# replay it per token, lengths in a device tensor updated in place (``validate=False``).
-# At :math:`B = 1`: capture, advance a token, check the replay, time both back to back.
+# handling, two launches) takes longer than running them: the host sets the pace (on a
+# GPU, the closing table's back-to-back columns). Servers capture a step in a CUDA
+# graph once and replay it per token, lengths in a device tensor updated in place
+# (``validate=False``). At :math:`B = 1`: capture, step, check, time both ways.
 
 if __name__ == "__main__" and kit.ON_GPU:
     for L in (1024, 4096, 16384, 65536):
@@ -683,23 +720,28 @@ elif __name__ == "__main__":
 # %%
 # Exercises
 # ---------
-# Write each attempt in a new cell at the end of this lesson's notebook, or in a file
-# next to the lessons that runs ``import stepkit as kit`` and
-# ``L08 = kit.load_lesson("08-decode-attention")``, and call its check as shown: it
-# compares with float64 (exact values, for a copy) on fresh random inputs, fails on
-# ``NaN``, and names the first wrong element. No solutions here.
+# Each check compares with float64 (exact for a copy) on fresh random inputs, fails on
+# ``NaN`` and names the first wrong element. Write each attempt in a new cell at the end
+# of the notebook (linked at the end of the page), or in a file next to the lessons:
+#
+# .. code-block:: python
+#
+#    import stepkit as kit
+#    L08 = kit.load_lesson("08-decode-attention")
+#    L08.check_window_decode(window_decode_attention)
+#    L08.check_append_to_pages(append_to_pages)
 #
 # 1. **A sliding window.** Write ``window_decode_attention(q, k, v, lengths, window)``:
 #    sequence :math:`b` sees only keys ``max(0, lengths[b] - window)`` to
 #    ``lengths[b] - 1``. From copies of both kernels: chunks that end before the window
 #    load nothing, the first live one masks the keys before it, and the merge skips the
-#    dead chunks at the start too. ``check_window_decode(window_decode_attention)``; on
-#    a GPU it times a 2,048-key window over 64K keys against a 2,048-key cache.
+#    dead chunks at the start too. ``check_window_decode(window_decode_attention)``
+#    (on a GPU it times a 2,048-key window over 64K keys against a 2,048-key cache).
 # 2. **Append the new token.** Write ``append_to_pages(k_pages, v_pages, block_table,
 #    lengths, k_new, v_new)``, ``k_new`` and ``v_new`` (B, Hkv, D), which a step runs
 #    before attending: in place, they become token ``lengths[b]`` of sequence :math:`b`
-#    (page ``block_table[b, lengths[b] // page_size]``, slot ``lengths[b] % page_size``)
-#    and nothing else changes. ``check_append_to_pages(append_to_pages)``.
+#    (paged as the kernels read it; ``lengths[b]`` may be 0, and the caller advances it
+#    after); nothing else changes. ``check_append_to_pages(append_to_pages)``.
 
 
 def check_window_decode(fn):
