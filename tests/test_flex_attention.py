@@ -34,10 +34,11 @@ def reference(q, k, v, causal, scale):
     return kit.reference_attention(*(t.detach().double() for t in (q, k, v)), causal, scale)
 
 
-def test_flexattention_is_not_yet_raced_by_the_lessons():
-    # Not until its compile time in a GPU build is measured (issue 42): the lessons' peers are SDPA's.
-    assert kit.FLEX not in kit.FAST_PEERS
-    assert kit.FLEX not in kit.SDPA_PEERS
+def test_the_lessons_race_flexattention_on_a_gpu_only():
+    # On the CPU it would run eagerly, forward only: not the FlexAttention users run.
+    assert (kit.FLEX in kit.FAST_PEERS) == kit.ON_GPU
+    assert kit.FLEX not in kit.FAST_SDPA and kit.FLEX not in kit.SDPA_PEERS
+    assert set(kit.FAST_SDPA) <= set(kit.FAST_PEERS)
 
 
 def test_sdpa_providers_name_a_peer_they_do_not_know():

@@ -241,3 +241,21 @@ def test_the_traffic_diagram_draws_a_segment_per_read_and_write_and_the_totals()
     texts = [t.get_text() for t in ax.texts]
     assert "3 in all" in texts and "2 in all" in texts and "b\nwritten" in texts
     assert [t.get_text() for t in ax.get_yticklabels()] == ["naive", "fused"]
+
+
+def test_error_summary_finds_the_exception_a_compiler_message_wraps():
+    wrapped = RuntimeError(
+        "SubprocException: An exception occurred in a subprocess:\n  File x\n"
+        "AssertionError('types int64 and int32')\n\nSet TORCHDYNAMO_VERBOSE=1 for more")
+    assert kit.error_summary(wrapped) == "AssertionError('types int64 and int32')"
+    assert kit.error_summary(RuntimeError("out of memory\nmore")) == "out of memory"
+    assert kit.error_summary(RuntimeError("")) == "RuntimeError"
+    assert len(kit.error_summary(RuntimeError("x" * 500))) == 160
+
+
+def test_same_bytes_copy_copies_into_a_buffer_of_its_own():
+    x = torch.randn(1000, device=kit.DEVICE)
+    copy = kit.same_bytes_copy(x)
+    out = copy(x)
+    assert torch.equal(out, x) and out.data_ptr() != x.data_ptr()
+    assert copy(x).data_ptr() == out.data_ptr()  # the same buffer every call: timed alone

@@ -6,11 +6,12 @@ FlashAttention-2 (Dao, 2023, `arXiv:2307.08691 <https://arxiv.org/abs/2307.08691
 reorganizes FlashAttention-1 (`arXiv:2205.14135 <https://arxiv.org/abs/2205.14135>`_),
 whose arithmetic the previous lesson, :doc:`05-fused-attention-v1`, runs, so that a GPU
 spends its time in matrix multiplications. This lesson builds its forward pass in
-portable Triton, correct for every sequence length, head dimension and masking mode,
-and measures it against PyTorch's cuDNN and flash backends. The next lesson,
-:doc:`07-fused-attention-v2-backward`, derives and builds the backward pass on top of
-it, and lessons 11 to 13 take the same algorithm to Hopper's warp-specialized design
-(FlashAttention-3, `arXiv:2407.08608 <https://arxiv.org/abs/2407.08608>`_) in Gluon.
+portable Triton, correct for every sequence length, head dimension and masking mode, and
+measures it against PyTorch's cuDNN and flash backends and FlexAttention. The next
+lesson, :doc:`07-fused-attention-v2-backward`, derives and builds the backward pass on
+top of it, and lessons 11 to 13 take the same algorithm to Hopper's warp-specialized
+design (FlashAttention-3, `arXiv:2407.08608 <https://arxiv.org/abs/2407.08608>`_) in
+Gluon.
 
 You will learn:
 
@@ -558,12 +559,13 @@ if __name__ == "__main__":
 # TFLOP/s of the forward, causal and not, on a GPU at :math:`D = 64`
 # (:math:`B = 4, H = 32`) and :math:`D = 128` (:math:`B = 4, H = 16`), under the
 # interpreter at :math:`B = 1` and two short sequences; against PyTorch SDPA's cuDNN and
-# flash backends (the math backend under the interpreter) and lesson 05's v1 kernel.
-# The ceiling is the matrix-multiply rate measured in this run. How we time: as in
-# lesson 05, by GPU time (a CUDA graph replayed after an L2 flush) and back to back
-# (many calls in a row), in passes, a range where they spread; the
-# :doc:`performance page <../performance>` gives the method. Under the interpreter the
-# numbers only illustrate.
+# flash backends and FlexAttention (compiled for each shape before any timing; under
+# the interpreter SDPA's math backend alone) and lesson 05's v1 kernel. The ceiling
+# is the matrix-multiply rate measured in this run. How we time: as in lesson 05, by
+# GPU time (a CUDA graph replayed after an L2 flush) and back to back (many calls in a
+# row), in passes, a range where they spread; the :doc:`performance page
+# <../performance>` gives the method. Under the interpreter the numbers only
+# illustrate.
 
 PEERS = kit.FAST_PEERS
 OURS = "Triton v2"

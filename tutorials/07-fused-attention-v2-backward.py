@@ -9,9 +9,9 @@ sequence length, head dimension and masking mode, in two versions: with a pass o
 own for :math:`dQ`, and with FlashAttention-2's atomic additions (`tl.atomic_add
 <https://triton-lang.org/main/python-api/generated/triton.language.atomic_add.html>`_).
 It connects them to PyTorch's autograd and measures both against PyTorch's cuDNN and
-flash backends. Next: :doc:`08-decode-attention`, attention at one query token; the
-Hopper part, from :doc:`09-gluon-primer` on, takes both passes to Gluon
-(:doc:`11-hopper-forward-gluon`, :doc:`13-hopper-backward-gluon`).
+flash backends and FlexAttention. Next: :doc:`08-decode-attention`, attention at one
+query token; the Hopper part, from :doc:`09-gluon-primer` on, takes both passes to
+Gluon (:doc:`11-hopper-forward-gluon`, :doc:`13-hopper-backward-gluon`).
 
 You will learn:
 
@@ -536,12 +536,13 @@ if __name__ == "__main__":
 # ---------
 # TFLOP/s of the backward pass (2.5 times the forward's FLOPs: five matrix products
 # where the forward has two), causal and not, at lesson 06's sizes, against PyTorch
-# SDPA's cuDNN and flash backends (the math backend under the interpreter) and lesson
-# 05's v1 kernel. The ceiling is the matrix-multiply rate measured in this run. How we
-# time: a backward alone, as ``torch.autograd.grad`` of one forward's output, by GPU
-# time (a CUDA graph replayed after an L2 flush) and back to back (many calls in a
-# row), in passes, a range where they spread; the :doc:`performance page
-# <../performance>` gives the method. Under the interpreter the numbers only illustrate.
+# SDPA's cuDNN and flash backends, FlexAttention (the math backend alone under the
+# interpreter) and lesson 05's v1 kernel. The ceiling is the matrix-multiply rate
+# measured in this run. How we time: a backward alone, as ``torch.autograd.grad`` of one
+# forward's output, by GPU time (a CUDA graph replayed after an L2 flush) and back to
+# back (many calls in a row), in passes, a range where they spread; the
+# :doc:`performance page <../performance>` gives the method. Under the interpreter the
+# numbers only illustrate.
 
 OURS = V2.OURS
 ATOMIC = "Triton v2, atomic dQ"  # the backward with FlashAttention-2's atomic additions

@@ -568,7 +568,7 @@ def providers(x):
         calls[SHARED] = shared_split_row_softmax
         calls[REGISTERS] = LONG.split_row_softmax
         calls["torch.compile"] = kit.compiled_for(calls["torch.softmax"], x)
-    calls[kit.SAME_BYTES] = torch.empty_like(x).copy_
+    calls[kit.SAME_BYTES] = kit.same_bytes_copy(x)
     return calls
 
 
@@ -685,7 +685,7 @@ if __name__ == "__main__" and reason is None:
     kit.plot_style()
     N, props = sizes[-1], torch.cuda.get_device_properties(DEVICE)
     x = torch.randn(M, N, device=DEVICE, dtype=torch.bfloat16)
-    held, timers = {}, {"copy": kit.call_timer(torch.empty_like(x).copy_, x)}
+    held, timers = {}, {"copy": kit.call_timer(kit.same_bytes_copy(x), x)}
     for chunk in (4096, 8192, 16384, 32768):
         name = f"shared, {chunk} per program"
         _, args, meta = _shared_args(x, chunk)

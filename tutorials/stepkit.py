@@ -35,6 +35,7 @@ import math
 import numbers
 import os
 import platform
+import re
 import sys
 import time
 import types
@@ -386,6 +387,15 @@ class Measured:
         return fields
 
 
+def error_summary(error, width=160):
+    """One line saying why a call failed: the last line of the message that names an
+    exception (a compiler's message wraps the real one, at its end), else the first."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    named = [line for line in lines if re.match(r"[\w.]*(Error|Exception)\b", line)]
+    line = (named or lines or [type(error).__name__])[-1 if named else 0]
+    return line if len(line) <= width else line[: width - 1] + "…"
+
+
 def measure(timing_cases):
     """{(case, key): Measured} over what timing_cases() yields, each
     (case, label, {key: Timer}), in passes over all cases (alternating order).
@@ -410,9 +420,7 @@ def measure(timing_cases):
                 try:
                     timing = time_once(timers[key], flush)
                 except RuntimeError as error:  # a backend that cannot run this case
-                    print(
-                        f"{key} skipped at {label}: {str(error).splitlines()[0][:100]}"
-                    )
+                    print(f"{key} skipped at {label}: {error_summary(error)}")
                     failed.add((case, key))
                     measured.pop((case, key), None)
                     continue
@@ -425,9 +433,10 @@ def measure(timing_cases):
     return measured
 
 
-def time_calls(calls):
-    """{name: Measured} for {name: Timer} of one case, timed as measure() does."""
-    found = measure(lambda: iter([(None, "", calls)]))
+def time_calls(calls, label="this case"):
+    """{name: Measured} for {name: Timer} of one case (named label where a call
+    fails), timed as measure() does."""
+    found = measure(lambda: iter([(None, label, calls)]))
     return {key: m for (_, key), m in found.items()}
 
 
@@ -443,10 +452,25 @@ def case_benchmark(cases, timers, work):
     rows = [
         dict(case, provider=name, **m.row(work(case)))
         for case in cases
-        for name, m in time_calls(timers(case)).items()
+        for name, m in time_calls(
+            timers(case), ", ".join(f"{k} = {v}" for k, v in case.items())
+        ).items()
     ]
     results = pd.DataFrame(rows)
     return (results, *rate_tables(results, list(cases[0])))
+
+
+def cases_that_fit(cases, bytes_of, share=0.8):
+    """The cases whose bytes_of(case) fit in share of the GPU's free memory (all
+    without a GPU), printing those left out: a smaller GPU runs a smaller grid."""
+    budget = share * torch.cuda.mem_get_info()[0] if ON_GPU else math.inf
+    fits = [case for case in cases if bytes_of(case) < budget]
+    if len(fits) < len(cases):
+        left_out = [", ".join(f"{k} = {v}" for k, v in c.items()) for c in cases
+                    if c not in fits]  # fmt: skip
+        print(f"Left out, past {budget / 2**30:.0f} GiB of free memory: "
+              + "; ".join(left_out))  # fmt: skip
+    return fits
 
 
 def size_benchmark(sizes, timers, work):
@@ -471,11 +495,19 @@ def shown_rate(value, slowest=None):
 # -- Ceilings ----------------------------------------------------------------
 
 
+def same_bytes_copy(like):
+    """fn(src): src, a tensor like `like`, copied into a buffer of its own by an SM
+    kernel (PyTorch's elementwise multiply by one), the copy that SAME_BYTES and the
+    copy ceilings time. Not copy_: that is a cudaMemcpy, which a CUDA graph replays as
+    a memcpy node, timed on an H200 at 2.7 TB/s from 512 MB against 4.2 TB/s for the
+    multiply (engineering notes, 2026-11-27)."""
+    return functools.partial(torch.mul, other=1, out=torch.empty_like(like))
+
+
 def copy_gbs(src):
     """GB/s (bytes read + written) of copying src into a tensor like it,
     by GPU time (back to back under the interpreter)."""
-    dst = torch.empty_like(src)
-    m = time_calls({"copy": call_timer(dst.copy_, src)})["copy"]
+    m = time_calls({"copy": call_timer(same_bytes_copy(src), src)})["copy"]
     ms = min(m.gpu) if m.gpu else min(m.b2b)
     return 2 * src.numel() * src.element_size() / ms * 1e-6
 
@@ -918,7 +950,9 @@ def resolved_gradient(do):
     return do.contiguous() if head_span(do) >= 2**31 else do
 
 
-def _check_scale(sm_scale):
+def check_sm_scale(sm_scale):
+    """sm_scale as a float, or a clear error: a finite real number that the kernels'
+    fp32 scores can hold."""
     real = isinstance(sm_scale, numbers.Real) and not (
         isinstance(sm_scale, bool) or type(sm_scale).__name__ == "bool_"
     )
@@ -933,6 +967,7 @@ def _check_scale(sm_scale):
             f"sm_scale must be at most {MAX_SM_SCALE:.3g} in magnitude "
             f"(the kernels scale the scores in fp32), got {sm_scale!r}"
         )
+    return float(sm_scale)
 
 
 def check_attention_inputs(q, k, v, causal, sm_scale, fp8=False):
@@ -994,7 +1029,7 @@ def check_attention_inputs(q, k, v, causal, sm_scale, fp8=False):
             )
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
-    _check_scale(sm_scale)
+    check_sm_scale(sm_scale)
 
 
 def reference_attention(q, k, v, causal, sm_scale):
@@ -1264,9 +1299,11 @@ def sdpa_providers(causal, scale, backends):
 SDPA_PEERS = (
     ("SDPA cuDNN", "SDPA flash", "SDPA mem-efficient") if ON_GPU else ("SDPA math",)
 )
-# The strongest peers, the ones the FlashAttention-2 and Hopper lessons race.
-# FlexAttention joins them once its compile time in a build is measured (issue 42).
-FAST_PEERS = ("SDPA cuDNN", "SDPA flash") if ON_GPU else ("SDPA math",)
+# The strongest SDPA backends, and with them the peers that the FlashAttention-2 and
+# Hopper lessons race: FlexAttention too, on a GPU. Its compiles, one per shape, took
+# 42 s of lesson 06's build and 61 s of lesson 07's on an H200 (engineering notes).
+FAST_SDPA = ("SDPA cuDNN", "SDPA flash") if ON_GPU else ("SDPA math",)
+FAST_PEERS = (*FAST_SDPA, FLEX) if ON_GPU else FAST_SDPA
 
 
 def attention_flops(B, H, N, D, causal, mode):
