@@ -151,8 +151,11 @@ def test_paged_cache_matches_float64(page, dtype, heads, rng):
 
 
 @pytest.mark.parametrize("splits", [1, 3, 8])
-def test_paged_equals_contiguous_on_the_same_values(splits, rng):
-    """The page lookup changes addresses only: the same arithmetic, the same bits."""
+def test_paged_equals_contiguous_on_the_same_values(splits, rng, monkeypatch):
+    """The page lookup changes addresses only: in the same tiles, the same arithmetic
+    and the same bits."""
+    paged_tiles = L08.launch_config(128, 16)
+    monkeypatch.setattr(L08, "launch_config", lambda D, page: paged_tiles)
     q, k_pages, v_pages, table, lens = paged(3, 8, 2, 128, 16, [5, 60, 93], torch.bfloat16, rng,
                                              table_dtype=torch.int64)
     k, v = gather_pages(k_pages, table, lens), gather_pages(v_pages, table, lens)
@@ -228,7 +231,7 @@ CONTIGUOUS_BAD = [
     ("k on another device", lambda: (swap(1, torch.randn(2, 2, 30, 64, dtype=torch.float16, device="meta")), {}),
      ValueError, "device"),
     ("lengths not a tensor", lambda: (good(), {"lengths": [30, 30]}), TypeError, "lengths must be a torch.Tensor"),
-    ("float lengths", lambda: (good(), {"lengths": torch.tensor([30.0, 30.0])}), TypeError, "int32 or int64"),
+    ("float lengths", lambda: (good(), {"lengths": lengths(30, 30).float()}), TypeError, "int32 or int64"),
     ("lengths of 2 dims", lambda: (good(), {"lengths": lengths(30, 30)[None]}), ValueError, "1 dim"),
     ("lengths too short", lambda: (good(), {"lengths": lengths(30)}), ValueError, r"shape \(2\)"),
     ("lengths on another device", lambda: (good(), {"lengths": lengths(30, 30).to("meta")}), ValueError, "device"),
@@ -340,14 +343,15 @@ def test_validate_false_keeps_its_promises(splits, rng):
 def gpu_rule(monkeypatch):
     """The rule's constants as on a GPU, whatever runs the tests."""
     monkeypatch.setattr(L08, "MIN_CHUNK", 256)
-    monkeypatch.setattr(L08, "PROGRAMS_PER_SM", 4)
     monkeypatch.setattr(L08, "MAX_SPLITS", 64)
 
 
 @pytest.mark.parametrize("programs, length, sms, block_n, splits, expected", [
     (8, 4096, 132, 64, None, (16, 256)),  # B = 1, Hkv = 8: chunks of MIN_CHUNK
-    (8, 65536, 132, 64, None, (64, 1024)),  # capped at MAX_SPLITS
-    (256, 4096, 132, 64, None, (3, 1408)),  # B = 32: about 4 programs per SM
+    (8, 65536, 132, 64, None, (16, 4096)),  # one program per SM, rounded down
+    (64, 16384, 132, 128, None, (2, 8192)),  # B = 8: 128 programs, not 192
+    (1, 65536, 132, 64, None, (64, 1024)),  # MQA at B = 1: capped at MAX_SPLITS
+    (256, 4096, 132, 64, None, (1, 4096)),  # B = 32: already more programs than SMs
     (1024, 4096, 132, 64, None, (1, 4096)),  # enough programs without splitting
     (8, 100, 132, 64, None, (1, 128)),  # shorter than one chunk: one split, one ragged tile
     (8, 1000, 132, 64, None, (3, 384)),
@@ -356,6 +360,12 @@ def gpu_rule(monkeypatch):
 ])
 def test_choose_splits_on_made_up_cases(gpu_rule, programs, length, sms, block_n, splits, expected):
     assert L08.choose_splits(programs, length, sms, block_n, splits) == expected
+
+
+def test_choose_splits_asks_paged_caches_for_more_programs(gpu_rule):
+    per_sm = L08.launch_config(128, 16)[3] if L08.kit.ON_GPU else 4
+    assert L08.choose_splits(64, 16384, 132, 64, per_sm=per_sm) == (8, 2048)  # B = 8
+    assert L08.choose_splits(8, 65536, 132, 64, per_sm=per_sm) == (64, 1024)  # B = 1: capped
 
 
 def test_choose_splits_covers_every_key_in_whole_tiles(gpu_rule):
@@ -446,7 +456,7 @@ def test_peers_note_names_the_peers_that_ran_and_why_others_did_not():
     cpu = [L08.OURS, "SDPA math", L08.NAIVE, kit.SAME_BYTES]
     assert L08.peers_note(cpu, on_gpu=False) == (
         "Peers timed in this build: SDPA math, naive PyTorch, copy of the same bytes. Not timed: SDPA cuDNN, "
-        "SDPA flash, FlexAttention, which need a GPU; SDPA math stands in for SDPA.")
+        "SDPA flash, FlexAttention, which need a GPU.")
     gpu = [L08.OURS, "SDPA cuDNN", "SDPA flash", kit.FLEX, L08.NAIVE, kit.SAME_BYTES]
     assert L08.peers_note(gpu, on_gpu=True) == (
         "Peers timed in this build: SDPA cuDNN, SDPA flash, FlexAttention, naive PyTorch, copy of the same bytes.")

@@ -34,7 +34,6 @@ You will learn:
 
 import functools
 import math
-import numbers
 
 import torch
 
@@ -46,10 +45,8 @@ import triton
 import triton.language as tl
 
 INTERPRETED = "" if kit.ON_GPU else (  # printed here and beside the benchmark
-    "\nNo GPU: every timing here is the Triton interpreter's (NumPy on the CPU, program"
-    " after program), only illustrative. On a GPU the page computes instead GB/s "
-    "beside a copy of the same bytes, the split rule against each split count, SDPA's "
-    "cuDNN, flash and FlexAttention peers, and µs per step.")
+    "\nNo GPU: the timings are the Triton interpreter's, NumPy on the CPU, only "
+    "illustrative. A GPU build times the split rule, the peers and a copy instead.")
 print(kit.describe_platform() + INTERPRETED) if __name__ == "__main__" else None
 
 # %%
@@ -64,8 +61,7 @@ print(kit.describe_platform() + INTERPRETED) if __name__ == "__main__" else None
 # do some 300. Decoding is bound by memory; its yardstick is a copy of the same bytes.
 # Lesson 06's grid gives each program a block of queries of one head: here,
 # :math:`B H_q` programs each walking a whole cache, at :math:`B = 1` 32 programs for an
-# H100's 132 SMs, most idle, the rest with few loads in flight (on a GPU, measured
-# below).
+# H100's 132 SMs, most idle, the rest with few loads in flight (measured below).
 #
 # Split-KV
 # --------
@@ -154,15 +150,18 @@ def split_kv_kernel(
     for start in tl.range(lo, hi, BLOCK_N):  # no pass at all past the length
         keys = start + tl.arange(0, BLOCK_N)
         ok = keys < hi
-        if PAGE:  # paged: the block table gives each key's page; its slot is key % PAGE
-            page = tl.load(TABLE + b * st_row + keys // PAGE, mask=ok, other=0)
-            page = tl.minimum(tl.maximum(page.to(tl.int64), 0), last_page)
-            slot = (keys % PAGE).to(tl.int64)
-            k_at = page * sk_outer + slot * sk_row
-            v_at = page * sv_outer + slot * sv_row
+        if PAGE >= BLOCK_N:  # paged, a tile within one page: one index, rows in order
+            outer = tl.load(TABLE + b * st_row + start // PAGE).to(tl.int64)
+            row = (start % PAGE + tl.arange(0, BLOCK_N)).to(tl.int64)
+        elif PAGE:  # paged, small pages: each key's page from the table, its slot
+            outer = tl.load(TABLE + b * st_row + keys // PAGE, mask=ok, other=0)
+            outer, row = outer.to(tl.int64), (keys % PAGE).to(tl.int64)
         else:  # contiguous: row `keys` of sequence b's cache
-            k_at = b * sk_outer + keys.to(tl.int64) * sk_row
-            v_at = b * sv_outer + keys.to(tl.int64) * sv_row
+            outer, row = b, keys.to(tl.int64)
+        if PAGE:  # an unchecked index (validate=False) still reads inside the pool
+            outer = tl.minimum(tl.maximum(outer, 0), last_page)
+        k_at = outer * sk_outer + row * sk_row
+        v_at = outer * sv_outer + row * sv_row
         k = tl.load(k_head + k_at[:, None], mask=ok[:, None], other=0.0)
         v = tl.load(v_head + v_at[:, None], mask=ok[:, None], other=0.0)
         if UPCAST:
@@ -211,28 +210,42 @@ def merge_kernel(
 # How many splits
 # ---------------
 # Unsplit, there are :math:`B H_{kv}` programs. Memory runs at full speed only with many
-# bytes in flight, so the rule asks for about ``PROGRAMS_PER_SM`` programs per SM, but
-# no chunk under ``MIN_CHUNK`` keys (where the merge and each program's set-up cost more
-# than the parallelism brings) and at most ``MAX_SPLITS`` (which bounds the merge's
-# registers); chunks are whole tiles. It sees shapes, never the lengths' values, so that
-# a CUDA graph can replay the grid it chose. "How many splits, measured" tests it.
+# bytes in flight, so the rule cuts chunks until there is about one program per SM,
+# rounding down: a second, partial wave would leave most SMs idle while it runs. A paged
+# tile waits for its table entry before its keys have addresses, so a paged program
+# keeps fewer bytes in flight: there the rule asks for four programs per SM. No chunk
+# is shorter than ``MIN_CHUNK`` keys (where the merge and each program's set-up cost
+# more than the parallelism brings), and there are at most ``MAX_SPLITS`` (which bounds
+# the merge's registers); chunks are whole tiles. It sees shapes, never the lengths'
+# values, so that a CUDA graph can replay the grid it chose. "How many splits,
+# measured" tests it.
 
 DTYPES, HEAD_DIMS = (torch.float16, torch.bfloat16), (64, 128)
-PROGRAMS_PER_SM, MAX_SPLITS = 4, 64
+MAX_SPLITS = 64
 MIN_CHUNK = 256 if kit.ON_GPU else 32  # keys; under the interpreter, small chunks
-INTERPRETER_SMS = 4  # and a pretend GPU of 4 SMs, so that small tests split too
-# (keys per tile, warps, pipeline stages) by head dim: 32 KiB of K and V per stage;
-# under the interpreter, tiles of 16 keys, so that small tests run many tiles.
-TILES = {64: (128, 4, 3), 128: (64, 4, 3)} if kit.ON_GPU else dict.fromkeys(
-    HEAD_DIMS, (16, 4, 1))  # fmt: skip
+INTERPRETER_SMS = 16  # and a pretend GPU of 16 SMs, so that small tests split too
+# (keys per tile, warps, stages, programs per SM), contiguous by head dim and paged,
+# from a sweep of tiles and split counts on an H200 (engineering notes).
+CONTIGUOUS_CONFIG = {64: (128, 4, 3, 1), 128: (128, 4, 3, 1)}
+PAGED_CONFIG = (64, 4, 2, 4)  # a 64-key tile within one page: one table entry per tile
 
 
-def choose_splits(programs, length, sms, block_n, splits=None):
+def launch_config(D, page):
+    """CONTIGUOUS_CONFIG[D], or PAGED_CONFIG for pages of page keys (32-key tiles in
+    smaller pages); under the interpreter, tiles of 16 keys, so that tests run many."""
+    if not kit.ON_GPU:
+        return 16, 4, 1, 1
+    tile = min(PAGED_CONFIG[0], max(32, page))  # 32 keys in pages of 16
+    return (tile, *PAGED_CONFIG[1:]) if page else CONTIGUOUS_CONFIG[D]
+
+
+def choose_splits(programs, length, sms, block_n, splits=None, per_sm=1):
     """(splits, chunk) for caches of length keys read by programs = B * Hkv programs
     unsplit, on a GPU of sms SMs: chunks of whole tiles, about splits of them where
-    given (fewer where whole tiles leave some empty), else the rule's count."""
+    given (fewer where whole tiles leave some empty), else the rule's count for
+    per_sm programs per SM."""
     if splits is None:
-        wanted = triton.cdiv(PROGRAMS_PER_SM * sms, programs)
+        wanted = per_sm * sms // programs
         splits = max(1, min(wanted, length // MIN_CHUNK, MAX_SPLITS))
     chunk = triton.cdiv(triton.cdiv(length, splits), block_n) * block_n
     return triton.cdiv(length, chunk), chunk
@@ -292,15 +305,7 @@ def _check(q, k, v, names, heads_at, sm_scale, validate):
                          f"{k.shape[heads_at]} key/value heads")
     if not isinstance(validate, bool):
         raise TypeError(f"validate must be True or False, got {validate!r}")
-    if sm_scale is None:
-        return q.shape[-1] ** -0.5
-    real = isinstance(sm_scale, numbers.Real) and not isinstance(sm_scale, bool)
-    if not real or not (isinstance(sm_scale, int) or math.isfinite(sm_scale)):
-        raise TypeError(f"sm_scale must be a finite real number, got {sm_scale!r}")
-    if abs(sm_scale) > kit.MAX_SM_SCALE:
-        raise ValueError(f"|sm_scale| must be at most {kit.MAX_SM_SCALE:.3g} (scores "
-                         f"are scaled in fp32), got {sm_scale!r}")
-    return float(sm_scale)
+    return q.shape[-1] ** -0.5 if sm_scale is None else kit.check_sm_scale(sm_scale)
 
 
 def _check_index(name, t, q, shape):
@@ -340,9 +345,9 @@ def _launch(q, k, v, lengths, table, sm_scale, splits=None):
         capacity, last_page = table.shape[1] * page, pool - 1
         k_strides, v_strides = ((t.stride(0), t.stride(2), t.stride(1), t.stride(3))
                                 for t in (k, v))  # fmt: skip
-    block_n, warps, stages = TILES[D]
+    block_n, warps, stages, per_sm = launch_config(D, page)
     splits, chunk = choose_splits(B * Hkv, capacity, sm_count(q.device), block_n,
-                                  splits)  # fmt: skip
+                                  splits, per_sm)  # fmt: skip
     o = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
     parts = [o] * 3 if splits == 1 else [torch.empty(
         (B * Hq, splits, *extra), dtype=torch.float32, device=q.device)
@@ -460,11 +465,9 @@ if __name__ == "__main__":
 # How many splits, measured
 # -------------------------
 # At :math:`B = 1`, the kernel with forced splits, from 1 (lesson 06's grid with grouped
-# heads) up, in GB/s of cache read by *GPU time* (the call replayed from a CUDA graph
-# after an L2 flush; *back to back*, below, is calls enqueued in a row: the
-# :doc:`performance page <../performance>`, "How we time"); a star marks the rule's
-# choice. The interpreter, by its wall-clock time (log scale), runs programs one after
-# another: there splits fill no idle SMs, and the rule is not on trial.
+# heads) up, in GB/s of cache read by *GPU time* (a CUDA graph replayed after an L2
+# flush; :doc:`performance page <../performance>`); a star marks the rule's choice. The
+# interpreter runs programs one after another: no SM idles, no rule is on trial.
 
 OURS, NAIVE, PAGED = "Triton split-KV", "naive PyTorch", "Triton paged"
 BY = "by GPU time" if kit.ON_GPU else "by the interpreter's wall-clock time"
@@ -507,7 +510,7 @@ if __name__ == "__main__":
     lengths = [4096, 16384, 65536] if kit.ON_GPU else [256]
     counts = [1, 2, 4, 8, 16, 32, 64] if kit.ON_GPU else [1, 2, 4, 8]
     split = functools.partial(choose_splits, HKV, sms=sm_count(DEVICE),
-                              block_n=TILES[HEAD_DIM][0])  # fmt: skip
+                              block_n=launch_config(HEAD_DIM, 0)[0])  # fmt: skip
     chosen = {L: split(L)[0] for L in lengths}  # the counts that run, the rule's too:
     runs = {L: {split(L, splits=n)[0] for n in counts} | {chosen[L]} for L in lengths}
     _, by_splits, _ = kit.case_benchmark(
@@ -530,27 +533,28 @@ if __name__ == "__main__":
 # key/value heads, :math:`D = 128` (4 on 2, :math:`D = 64` and tiny caches under the
 # interpreter), beside the PyTorch definition, a copy moving as many bytes and, on a
 # GPU, SDPA's cuDNN and flash backends (``enable_gqa=True``, chosen outside the timed
-# call) and FlexAttention set up for decoding as its documentation says (compiled per
-# shape, its decoding kernel named where this PyTorch can); on a CPU, "SDPA math",
-# SDPA's backend in plain PyTorch operations. Printed: the peers that ran, any case past
-# the free memory. GB/s by GPU time, or by the interpreter's wall-clock time (a log
-# scale: it is far slower than PyTorch), a range where timings spread by over 10%.
+# call) and FlexAttention set up for decoding (compiled per shape, a block mask of one
+# query row); on a CPU, "SDPA math", SDPA's backend in plain PyTorch operations.
+# Printed: the peers that ran, any case past the free memory. GB/s by GPU time, or by
+# the interpreter's wall-clock time (a log scale: it is far slower than PyTorch), a
+# range where timings spread by over 10%.
 
 BATCHES = [1, 8, 32] if kit.ON_GPU else [1, 2]
 LENGTHS = [1024, 4096, 16384, 65536, 131072] if kit.ON_GPU else [256, 1024]
 
 
-def flex_decoding(scale):
-    """FlexAttention for decoding, or None where this PyTorch cannot time it."""
+def flex_decoding(scale, length):
+    """FlexAttention for caches of length keys (None where it cannot run): compiled,
+    a block mask of one query row; with none it read 14-20x slower (an H200)."""
     if kit.flex_attention_missing():
         return None
     from torch.nn.attention import flex_attention as flex
 
-    known = getattr(getattr(flex, "FlexKernelOptions", None), "__annotations__", {})
-    decode = functools.partial(  # its decoding kernel by name, where it has the option
-        torch.compile(flex.flex_attention, dynamic=False, fullgraph=True), scale=scale,
-        enable_gqa=True, kernel_options={"BACKEND": "TRITON_DECODE"} if "BACKEND" in
-        known else {})  # fmt: skip
+    every_key = flex.create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx >= 0, None,
+                                       None, 1, length, device=DEVICE)  # fmt: skip
+    decode = functools.partial(
+        torch.compile(flex.flex_attention, dynamic=False, fullgraph=True),
+        block_mask=every_key, scale=scale, enable_gqa=True)  # fmt: skip
     decode.context = kit.flex_settings
     return decode
 
@@ -558,8 +562,7 @@ def flex_decoding(scale):
 def peers_note(columns, on_gpu=kit.ON_GPU):
     """The peers timed (columns: the benchmark's), and those the text names not."""
     absent = [p for p in ("SDPA cuDNN", "SDPA flash", kit.FLEX) if p not in columns]
-    why = "which this GPU or PyTorch lacks" if on_gpu else "which need a GPU" + (
-        "; SDPA math stands in for SDPA" if "SDPA math" in columns else "")
+    why = "which this GPU or PyTorch lacks" if on_gpu else "which need a GPU"
     return (f"Peers timed in this build: {', '.join(c for c in columns if c != OURS)}."
             + (f" Not timed: {', '.join(absent)}, {why}." if absent else ""))
 
@@ -569,25 +572,22 @@ def timers(case):
     q, k, v = random_case(case["B"], case["L"])
     scale, q4 = HEAD_DIM**-0.5, q.unsqueeze(2)  # SDPA's shape: (B, Hq, 1, D)
     calls = {OURS: kit.call_timer(decode_attention, q, k, v)}
-    for name, fn in kit.sdpa_providers(False, scale, kit.FAST_PEERS).items():
+    for name, fn in kit.sdpa_providers(False, scale, kit.FAST_SDPA).items():
         grouped = functools.partial(fn, enable_gqa=True)
         grouped.context = fn.context
         calls[name] = kit.call_timer(grouped, q4, k, v)
-    if (flex := flex_decoding(scale) if kit.ON_GPU else None) is not None:
+    if (flex := flex_decoding(scale, case["L"]) if kit.ON_GPU else None):
         calls[kit.FLEX] = kit.call_timer(flex, q4, k, v)
     calls[NAIVE] = kit.call_timer(naive_decode, q, k, v)
     # K holds half the cache's bytes: copying it reads half and writes half.
-    calls[kit.SAME_BYTES] = kit.call_timer(torch.empty_like(k).copy_, k)
+    calls[kit.SAME_BYTES] = kit.call_timer(kit.same_bytes_copy(k), k)
     return calls
 
 
 if __name__ == "__main__":
-    budget = 0.8 * torch.cuda.mem_get_info()[0] if kit.ON_GPU else math.inf
-    grid = [dict(B=B, L=L) for B in BATCHES for L in LENGTHS]
-    fits = [c for c in grid if 1.7 * cache_bytes(c["B"], c["L"]) < budget]
-    if len(fits) < len(grid):  # 1.7: the cache, a copy of K, the scores
-        print(f"Left out, past {budget / 2**30:.0f} GiB of free memory: " + ", ".join(
-            f"B = {c['B']}, L = {c['L']}" for c in grid if c not in fits))
+    fits = kit.cases_that_fit(  # 1.7: the cache, a copy of K, the scores
+        [dict(B=B, L=L) for B in BATCHES for L in LENGTHS],
+        lambda c: 1.7 * cache_bytes(c["B"], c["L"]))  # fmt: skip
     results, gpu, b2b = kit.case_benchmark(
         fits, timers, lambda c: cache_bytes(c["B"], c["L"]) * 1e-6)
     print(peers_note(gpu.columns) + INTERPRETED)
@@ -602,16 +602,14 @@ kit.rates_table(results, ["B", "L"], "GB/s") if __name__ == "__main__" else None
 # %%
 # Reading the numbers
 # -------------------
-# Per :math:`(B, L)`: the kernel over the fastest SDPA backend (SDPA math on a CPU) and
-# over the copy, and a step's µs (the latency per token), by GPU time (as a server
-# replays it) and back to back (eager, from Python), or by the interpreter's one timing.
-# The targets, on a GPU: at or above the best SDPA backend from :math:`L = 4\mathrm{K}`
-# (0.98x where that reads at 0.9 of the copy or more); 0.9 of the copy at :math:`B = 1`
-# from :math:`L = 16\mathrm{K}`.
+# Per :math:`(B, L)`: the kernel over the best SDPA backend and the copy, and µs per
+# step, by GPU time (as a server replays it) and back to back (eager). Targets, on a
+# GPU: from 4K keys the best SDPA backend (0.98x of it where it reads at 0.9 of the
+# copy or more); at :math:`B = 1` from 16K keys, 0.9 of the copy.
 
 
 def closing_table(gpu, b2b, peers):
-    """Per (B, L): ours over the best peer and the copy, µs per step, by each timing."""
+    """Per (B, L): ours over the best peer and the copy, µs per step, per timing."""
     best = peers[0] if len(peers) == 1 else "best SDPA"
     timings = [("wall clock", b2b)] if gpu is b2b else [("GPU time", gpu),
                                                         ("back to back", b2b)]
@@ -639,9 +637,10 @@ def target_misses(gpu, peers):
 
 
 if __name__ == "__main__":
-    sdpa = [p for p in kit.FAST_PEERS if p in gpu]
+    sdpa = [p for p in kit.FAST_SDPA if p in gpu]
     none = "none" if kit.ON_GPU else "none (no target is for the interpreter's sizes)"
-    print(f"Targets missed: {'; '.join(target_misses(gpu, sdpa)) or none}.")
+    print("Targets missed:", "".join(f"\n  {m};" for m in target_misses(gpu, sdpa))
+          or f"{none}.")  # fmt: skip
     kit.save_results("08-decode-attention", [dict(
         name="decode attention, bf16", unit="GB/s", ceiling_name="copy bandwidth",
         ceiling=copy_gbs, ceiling_per_case=kit.SAME_BYTES, ours=[OURS],
@@ -695,7 +694,8 @@ by_page.map(kit.shown_rate) if __name__ == "__main__" else None
 # handling, two launches) takes longer than running them: the host sets the pace (on a
 # GPU, the closing table's back-to-back columns). Servers capture a step in a CUDA
 # graph once and replay it per token, lengths in a device tensor updated in place
-# (``validate=False``). At :math:`B = 1`: capture, step, check, time both ways.
+# (``validate=False``). At :math:`B = 1`, in pages of 16 keys: capture, step, check,
+# and time the same call both ways, eager (from Python, back to back) and replayed.
 
 if __name__ == "__main__" and kit.ON_GPU:
     for L in (1024, 4096, 16384, 65536):
