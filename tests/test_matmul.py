@@ -349,7 +349,10 @@ def test_the_order_verdict_says_when_the_counted_case_helped_or_stayed_level():
     assert "1.06x at n = 8192 (faster)" in faster and "ran 6% faster" in faster and "although" not in faster
     # A 4% gap within a 5% spread of timings is level, not slower.
     level = L.order_effect(pd.Series({8192: 0.96}), pd.Series({8192: 0.05}), 8192)
-    assert "(level)" in level and "did not show" in level and "slower" not in level
+    assert "(level, within a 5% spread)" in level and "did not show" in level and "slower" not in level
+    assert "beyond its timings' spread" in level
+    tight = L.order_effect(pd.Series({8192: 0.98}), pd.Series({8192: 0.01}), 8192)
+    assert "(level)" in tight and "spread" not in tight
     # The interpreter's sizes leave out the counted case: no sentence about it.
     cpu = L.order_effect(pd.Series({64: 0.5, 128: 1.0}), pd.Series({64: 0.0, 128: 0.0}), 8192)
     assert "0.50x at n = 64 (slower)" in cpu and "At n =" not in cpu

@@ -640,9 +640,10 @@ if __name__ == "__main__":
               f"{row[best] / row[peers].max():.2f}x the best PyTorch peer{loop}; "
               f"two-pass {two / copy_gbs:.0%}, "
               f"{two / row['three-pass']:.2f}x three-pass")
-    for (dtype, n), (least, most) in common_drops(table).items():
-        print(f"{dtype:>8s} N = {n:>6d}: every provider, PyTorch's too, ran {least:.0%}"
-              f" to {most:.0%} slower than at the length before: a cause they share.")
+    print(*[f"{dtype:>8s} N = {n:>6d}: every provider, PyTorch's too, ran {least:.0%}"
+            f" to {most:.0%} slower than at the length before: a cause they share."
+            for (dtype, n), (least, most) in common_drops(table).items()]
+          or ["No length slowed every provider by over 10%."], sep="\n")  # fmt: skip
     if not kit.ON_GPU:
         print("Interpreter timings: the ratios measure NumPy on the CPU, illustrative.")
     benchmark = dict(name=f"long-row softmax, M = {M}", unit="GB/s", ceiling=copy_gbs)

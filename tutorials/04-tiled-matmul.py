@@ -494,7 +494,10 @@ def order_effect(ratio, spread, analysed):
     margin = spread.clip(lower=ORDERS_LEVEL)
     said = {n: "faster" if r > 1 + margin[n] else "slower" if r < 1 - margin[n]
             else "level" for n, r in ratio.items()}  # fmt: skip
-    each = ", ".join(f"{r:.2f}x at n = {n} ({said[n]})" for n, r in ratio.items())
+    noisy = {n: f", within a {margin[n]:.0%} spread" for n in ratio.index
+             if said[n] == "level" and margin[n] > ORDERS_LEVEL}  # fmt: skip
+    each = ", ".join(f"{r:.2f}x at n = {n} ({said[n]}{noisy.get(n, '')})"
+                     for n, r in ratio.items())  # fmt: skip
     line = f"Grouped order against row-major order, same tile: {each}."
     if analysed not in ratio:
         return line
@@ -503,7 +506,8 @@ def order_effect(ratio, spread, analysed):
         "faster": f"ran {r - 1:.0%} faster, in line with its fewer bytes per K step in "
         "the count.",
         "level": "ran level with row-major: its fewer bytes per K step did not show in "
-        "this GPU's time.",
+        "this GPU's time" + (" beyond its timings' spread (a steadier run could show "
+        "them)." if analysed in noisy else "."),
         "slower": f"ran {1 - r:.0%} slower, although it loads fewer bytes per K step "
         "in the count: what the count leaves out outweighed them in this run, and this "
         "page does not measure which part.",

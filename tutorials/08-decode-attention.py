@@ -619,7 +619,7 @@ def closing_table(gpu, b2b, peers):
         for name, peer in ratios.items():
             columns[f"x {name}, {how}"] = (table[OURS] / peer).map("{:.3g}".format)
         columns[f"µs per step, {how}"] = (sizes / table[OURS]).map("{:,.1f}".format)
-    return gpu[[]].assign(**columns)
+    return gpu[[]].assign(**columns).rename_axis(columns=None)
 
 
 def target_misses(gpu, peers):
