@@ -277,20 +277,10 @@ def sm_count(device):
 # for a length or page index out of range.
 
 
-def _tensor(name, t, dims, q):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != dims:
-        raise ValueError(f"{name} must have {dims} dimensions, got {tuple(t.shape)}")
-    kit.check_device(name, t)
-    if t.device != q.device:
-        raise ValueError(f"{name} must be on q's device {q.device}, not {t.device}")
-
-
 def _check(q, k, v, names, heads_at, sm_scale, validate):
     """The checks that need no values; returns the scale as a float."""
     for name, t, dims in (("q", q, 3), (names[0], k, 4), (names[1], v, 4)):
-        _tensor(name, t, dims, q)
+        kit.check_tensor(name, t, dims, q)
     if q.dtype not in DTYPES or not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, {names[0]} and {names[1]} must all be float16 or all "
                         f"bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}")
@@ -306,16 +296,6 @@ def _check(q, k, v, names, heads_at, sm_scale, validate):
     if not isinstance(validate, bool):
         raise TypeError(f"validate must be True or False, got {validate!r}")
     return q.shape[-1] ** -0.5 if sm_scale is None else kit.check_sm_scale(sm_scale)
-
-
-def _check_index(name, t, q, shape):
-    """An int32 or int64 tensor of shape (None: any size but 0) on q's device."""
-    _tensor(name, t, len(shape), q)
-    if t.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
-    if 0 in t.shape or any(n not in (None, m) for n, m in zip(shape, t.shape)):
-        shown = ", ".join("any" if n is None else str(n) for n in shape)
-        raise ValueError(f"{name} must have shape ({shown}), got {tuple(t.shape)}")
 
 
 def _check_values(lengths, capacity, table=None, page=None, pool=None):
@@ -377,7 +357,7 @@ def decode_attention(q, k, v, lengths=None, sm_scale=None, validate=True):
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"q has {q.shape[0]} sequences, k and v {k.shape[0]}")
     if lengths is not None:
-        _check_index("lengths", lengths, q, (q.shape[0],))
+        kit.check_index("lengths", lengths, q, (q.shape[0],))
         if validate:
             _check_values(lengths, k.shape[2])
     return _launch(*kit.resolved(q, k, v), lengths, None, sm_scale)
@@ -392,8 +372,8 @@ def paged_decode_attention(q, k_pages, v_pages, block_table, lengths, sm_scale=N
     pool, page = k_pages.shape[:2]
     if page < 16 or page & (page - 1):
         raise ValueError(f"page_size must be a power of two of at least 16, got {page}")
-    _check_index("block_table", block_table, q, (q.shape[0], None))
-    _check_index("lengths", lengths, q, (q.shape[0],))
+    kit.check_index("block_table", block_table, q, (q.shape[0], None))
+    kit.check_index("lengths", lengths, q, (q.shape[0],))
     if validate:
         _check_values(lengths, block_table.shape[1] * page, block_table, page, pool)
     q, k_pages, v_pages = kit.resolved(q, k_pages, v_pages)
@@ -650,10 +630,29 @@ if __name__ == "__main__":
 closing_table(gpu, b2b, sdpa) if __name__ == "__main__" else None
 
 # %%
+# One sequence, kernel by kernel
+# ------------------------------
+# Where :math:`B = 1` falls short of the copy, on a GPU: the CUDA profiler's µs per
+# step of each kernel (calls back to back), the split kernel's rate over a copy
+# kernel's on the same bytes, and the step's GPU time from the table above.
+
+if __name__ == "__main__" and kit.ON_GPU:
+    for L in (L for L in LENGTHS if L >= 16384 and (1, L) in gpu.index):
+        q, k, v = random_case(1, L)
+        ours = kit.kernel_ms(functools.partial(decode_attention, q, k, v))
+        copy = sum(kit.kernel_ms(functools.partial(kit.same_bytes_copy(k), k)).values())
+        split = sum(ms for name, ms in ours.items() if "split" in name)
+        step = cache_bytes(1, L) / gpu.loc[(1, L), OURS] * 1e-3  # µs, from the GB/s
+        each = ", ".join(f"{name} {ms * 1e3:.1f} µs" for name, ms in ours.items())
+        print(f"L = {L}: {each}; split at {copy / split:.0%} of the copy kernel's "
+              f"rate; the step {step:.1f} µs by GPU time")  # fmt: skip
+
+# %%
 # The page size
 # -------------
 # The paged kernel against the contiguous one on the same values, at :math:`B = 8` (1
-# under the interpreter), pages shuffled, ``validate=False`` as in a captured step.
+# under the interpreter), pages shuffled, ``validate=False`` as in a captured step. On
+# a GPU pages under 64 keys take 32-key tiles: pages of 16, a table entry per key.
 
 PAGE_SIZES, PAGE_BATCH = [16, 32, 64, 128, 256], 8 if kit.ON_GPU else 1
 

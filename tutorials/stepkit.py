@@ -692,6 +692,29 @@ def check_device(name, t):
         )
 
 
+def check_tensor(name, t, dims, like, like_name="q"):
+    """A tensor of dims dimensions on the device of like (called like_name)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dimensions, got {tuple(t.shape)}")
+    check_device(name, t)
+    if t.device != like.device:
+        raise ValueError(
+            f"{name} must be on {like_name}'s device {like.device}, not {t.device}"
+        )
+
+
+def check_index(name, t, like, shape, like_name="q"):
+    """An int32 or int64 tensor of shape (None: any size but 0) on like's device."""
+    check_tensor(name, t, len(shape), like, like_name)
+    if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
+    if 0 in t.shape or any(n not in (None, m) for n, m in zip(shape, t.shape)):
+        shown = ", ".join("any" if n is None else str(n) for n in shape)
+        raise ValueError(f"{name} must have shape ({shown}), got {tuple(t.shape)}")
+
+
 MAX_BLOCK = 2**20  # the most elements Triton allows in one block
 
 
