@@ -114,7 +114,7 @@ CASES = {  # (D, causal, N): {provider: (back to back, its spread, by GPU time)}
 
 def test_default_path_shows_its_choice_per_case_and_counts_ties_as_ties(capsys):
     results = _results(CASES)
-    rows, table = FWD.default_path(results, lambda D, causal, N: WS, [PEER], "FORWARD_PATHS")
+    rows, table = stepkit.default_path(results, lambda D, causal, N: WS, [PEER], "FORWARD_PATHS", FWD.PATHS)
     line = capsys.readouterr().out
     assert list(table["path"]) == ["Gluon"] * 4
     assert list(table["back to back"]) == ["tie", "slower", "slower", "slower"]
@@ -128,7 +128,7 @@ def test_default_path_shows_its_choice_per_case_and_counts_ties_as_ties(capsys):
 def test_default_path_leaves_out_a_case_where_its_choice_did_not_run(capsys):
     cases = dict(CASES)
     cases[64, True, 1024] = {p: v for p, v in CASES[64, True, 1024].items() if p != WS}  # Gluon failed here
-    rows, table = FWD.default_path(_results(cases), lambda D, causal, N: WS, [PEER], "FORWARD_PATHS")
+    rows, table = stepkit.default_path(_results(cases), lambda D, causal, N: WS, [PEER], "FORWARD_PATHS", FWD.PATHS)
     assert (64, True, "fwd", 1024) not in table.index and len(table) == len(rows) == 3
     assert "of this run's 3 cases" in capsys.readouterr().out
 
@@ -141,7 +141,7 @@ def test_lessons_11_and_12_count_the_table_choice_the_same_way(capsys):
     def default_of(D, causal, N):
         return choice[D, causal]
 
-    _, table = FWD.default_path(results, default_of, [PEER], "FORWARD_PATHS")
+    _, table = stepkit.default_path(results, default_of, [PEER], "FORWARD_PATHS", FWD.PATHS)
     capsys.readouterr()
     stood = table["back to back"].value_counts()
     line = PROFILE.clocks_and_paths(results, 1024, default_of)
@@ -215,8 +215,9 @@ def test_the_hopper_diagrams_carry_titles_for_their_alt_texts():
     measured = pd.DataFrame({"host (us)": [31, 72], "GPU (us)": [88, 97], "back to back (us)": [86, 94]},
                             index=pd.MultiIndex.from_tuples([(64, False, "SDPA cuDNN"), (64, False, "portable")],
                                                             names=["D", "causal", "call"]))
-    figures = {"roles": stepkit.draw_roles(), "ring": stepkit.draw_ring(FWD.ring_slot), "split": stepkit.draw_split(),
-               "pacing": PROFILE.draw_pacing(), "host and GPU": PROFILE.draw_host_and_gpu(measured, 1024)}
+    figures = {"roles": stepkit.draw_roles(FWD.ring_slot), "ring": stepkit.draw_ring(FWD.ring_slot),
+               "split": stepkit.draw_split(), "pacing": PROFILE.draw_pacing(),
+               "host and GPU": PROFILE.draw_host_and_gpu(measured, 1024)}
     for name, fig in figures.items():
         alt = _alt_text(fig)
         assert len(alt) > 30 and "hopper" not in alt.lower(), (name, alt)  # not the file name

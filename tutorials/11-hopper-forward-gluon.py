@@ -12,7 +12,8 @@ H200), measured beside the portable kernel and cuDNN. You will learn:
 
 * why "all warps, one step at a time" idles the tensor cores, and which roles fix it,
   with the pieces lesson 09 introduced: a ring of buffers, mbarrier phases, TMA,
-  ``warpgroup_mma``, ``warp_specialize`` and ``setmaxnreg``;
+  ``warpgroup_mma``, ``warp_specialize`` and ``setmaxnreg``; the roles' timeline and
+  the accumulators' register layout, drawn from the kernel's own rules and layouts;
 * why one program per SM walks tile after tile, and how causal pairs balance programs;
 * why fp8 needs V stored with the keys contiguous on Hopper, and what fp8 buys; how
   ``attention`` picks the Gluon or portable forward per case, from a measured table.
@@ -30,6 +31,7 @@ import stepkit as kit  # picks the device; no GPU: the Triton interpreter
 
 V2 = kit.load_lesson("06-fused-attention-v2-forward")
 V2_BWD = kit.load_lesson("07-fused-attention-v2-backward")
+L09 = kit.load_lesson("09-gluon-primer")  # compiling for sm_90a, reading layouts
 
 # %%
 # Who waits for whom in the portable forward
@@ -42,21 +44,14 @@ V2_BWD = kit.load_lesson("07-fused-attention-v2-backward")
 #
 # * **A producer warp** only issues TMA copies of K and V tiles into a ring of
 #   shared-memory buffers, each with a "full" and an "empty" *mbarrier* (lesson 09).
-# * **Two consumer warp groups** own 64 query rows each and never load. Nothing orders
-#   one group against the other: an explicit ping-pong that would was measured at 0.95x
-#   to 1.00x and dropped (engineering notes), so whether one group's products overlap
-#   the other's exponentials is left to the hardware's scheduling.
+# * **Two consumer warp groups** own 64 query rows each and never load. Nothing in the
+#   kernel orders one group against the other: whether one group's products overlap the
+#   other's exponentials is left to the hardware (the timeline below shows why it can).
 # * **Registers move to the work.** ``setmaxnreg`` lets the loader keep 24 registers per
 #   thread and hands the rest over: up to 240 per consumer thread, for S and O.
 # * **Overlap inside each consumer.** A consumer issues :math:`S_{j+1} = QK_{j+1}^T` and
 #   :math:`O \mathrel{+}= P_j V_j`, waits only for the first, and computes block
 #   :math:`j+1`'s exponentials while :math:`P_j V_j` runs.
-#
-# The picture is a schedule, not a measurement: one program's first key blocks.
-
-
-if __name__ == "__main__":
-    kit.draw_roles()
 
 # %%
 # A ring of buffers, and the phases of its barriers
@@ -75,30 +70,44 @@ def ring_slot(j, stages):
     return j % stages, phase, phase ^ 1
 
 
+WS_HEAD_DIMS = (64, 128)
+WS_BLOCK_M, WS_BLOCK_N, WS_STAGES = 128, 128, 2
+WS_CONSUMER_REGISTERS, WS_LOADER_REGISTERS = 240, 24
+
 if __name__ == "__main__":
     kit.draw_ring(ring_slot)
 
 # %%
+# The roles by these rules (``kit.role_timeline``), a model, not a measurement: copies
+# take half a product (a guess), both groups share the SM's tensor cores, and an
+# exponential per score costs about one product's :math:`2D` FLOPs per score at
+# :math:`D = 128` (the paper's rates, "Reading the numbers"). The tensor cores idle
+# only while the first blocks arrive: each group's exponentials run under the other's
+# products with no turn-taking in the kernel, which is why it has no explicit ping-pong
+# (FlashAttention-3's paper adds one). The loader's waits on "empty" show too.
+
+if __name__ == "__main__":
+    kit.draw_roles(ring_slot, blocks=4, stages=WS_STAGES, exp=989 / (2 * 128 * 3.9))
+
+# %%
 # Why Gluon
 # ---------
-# Triton's compiler decides which warps do what; on Hopper its automatic warp
-# specialization (``warp_specialize=True`` in `tl.range
-# <https://triton-lang.org/main/python-api/generated/triton.language.range.html>`_)
-# does not find this schedule. Gluon lets the program say it (lesson 09 shows each
-# piece and the names that moved between Triton releases), with the first consumer in
-# the program's own 4 warps, the second consumer and the loader in extra warps.
+# Triton's compiler decides which warps do what (its automatic warp specialization,
+# ``warp_specialize=True`` in `tl.range
+# <https://triton-lang.org/main/python-api/generated/triton.language.range.html>`_,
+# picks a schedule of its own). Gluon lets the program say this one (lesson 09 shows
+# each piece and the names that moved between Triton releases), with the first consumer
+# in the program's own 4 warps, the second consumer and the loader in extra warps.
 #
 # * TMA copies 4-D boxes (1 batch, 1 head, 64 or 128 rows, :math:`D`) out of tensors of
 #   any strides, zero-filling rows past :math:`N`. It needs the last dimension
 #   contiguous and other strides positive multiples of 16 bytes (not a head broadcast
 #   by ``expand``); other inputs take the portable kernel.
 # * The tiles are fixed, as the boxes and barriers are sized with them: 128 queries
-#   (two halves of 64) by 128 keys, 2 buffers each for K and V; at :math:`D = 128`, 32
-#   KiB of Q and 128 KiB of K and V in shared memory.
-# * O leaves through a new layout: ``warpgroup_mma``'s accumulator gives each thread
-#   pairs of adjacent values over eight rows (4-byte stores); the kernel converts it so
-#   that each thread stores 8 adjacent values (16 bytes) and a warp whole rows.
+#   (two halves of 64) by 128 keys, 2 buffers each for K and V (lesson 12 draws the
+#   shared memory they take).
 
+# After stepkit, which may switch the interpreter on first:
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -110,6 +119,30 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@gluon.constexpr_function
+def wgmma_accumulator(columns):
+    """The layout of one warp group's wgmma accumulator, 64 rows by columns: S and O."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, columns, 16])
+
+
+# %%
+# Who holds S and O: the kernel's own layouts (``wgmma_accumulator``, which the kernel
+# below calls too), read by lesson 09's ``owners``. A consumer thread holds 64 fp32
+# values of :math:`S` and :math:`D / 2` of :math:`O` (the titles count them), of the
+# 240 registers ``setmaxnreg`` gives it. A row lives in the 4 threads of a quad (T0 to
+# T3 hold row 0): its maximum and sum combine within one warp. Each thread holds pairs
+# of adjacent columns, so a store straight from this layout writes 4 bytes; the kernel
+# converts :math:`O` through shared memory to a layout in which each thread stores 8
+# adjacent values (16 bytes) and a warp whole rows.
+
+if __name__ == "__main__":
+    kit.draw_register_layout({
+        f"S, 64 x {WS_BLOCK_N}": L09.owners(wgmma_accumulator(WS_BLOCK_N),
+                                              [64, WS_BLOCK_N]),
+        "O at D = 64, 64 x 64": L09.owners(wgmma_accumulator(64), [64, 64])})
 
 # %%
 # One program per SM
@@ -130,11 +163,6 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 #
 # Consecutive tiles share a head, so programs running at once share its K and V through
 # L2. Lesson 12 measures what persistence buys.
-
-WS_HEAD_DIMS = (64, 128)
-WS_BLOCK_M, WS_BLOCK_N, WS_STAGES = 128, 128, 2
-WS_CONSUMER_REGISTERS, WS_LOADER_REGISTERS = 240, 24
-
 
 @gluon.jit
 def _ws_softmax_step(s, m_i, l_i, qk_scale, rows, cols, N, MASKED: gl.constexpr,
@@ -233,12 +261,10 @@ def _ws_consumer(HALF: gl.constexpr, q_smem, k_smem, v_smem, q_full, q_empty, k_
                  N, sob, soh, son, D: gl.constexpr, CAUSAL: gl.constexpr,
                  ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     # One warp group's accumulator layouts for S and O; P as PV's register operand.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    s_layout: gl.constexpr = wgmma_accumulator(BLOCK_N)
+    o_layout: gl.constexpr = wgmma_accumulator(D)
     p_layout: gl.constexpr = gl.DotOperandLayout(0, o_layout, 2)
-    # The 16-byte, coalesced stores of "Why Gluon" (converted through shared memory).
+    # 16-byte stores, a warp whole rows (converted through shared memory).
     store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8],
                                                   [4, 1], [1, 0])
     dtype: gl.constexpr = q_smem.dtype
@@ -416,20 +442,21 @@ def _sm_count(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _ws_forward(q, k, v, o, lse, causal, sm_scale, programs=None):
+def _ws_forward(q, k, v, o, lse, causal, sm_scale, programs=None, block_n=WS_BLOCK_N,
+                stages=WS_STAGES):
     """The persistent kernel, with one program per SM unless programs says how many."""
     B, H, N, D = q.shape
     n_m = V2.host_cdiv(N, WS_BLOCK_M)
     work = (n_m + 1) // 2 * B * H if causal else n_m * B * H  # pairs of tiles, or tiles
     programs = min(programs or _sm_count(q.device.index), work)
-    descriptors = (_ws_descriptor(q, WS_BLOCK_M // 2), _ws_descriptor(k, WS_BLOCK_N),
-                   _ws_descriptor(v, WS_BLOCK_N))
+    descriptors = (_ws_descriptor(q, WS_BLOCK_M // 2), _ws_descriptor(k, block_n),
+                   _ws_descriptor(v, block_n))
     # Lesson 06's launch plans; the descriptors, holding this call's tensors, are fresh.
     V2.launch_planned(
         V2.plan_key(q, k, v), attn_fwd_ws_kernel, (programs,), 6,
         (*descriptors, o, lse, sm_scale * V2.LOG2E, H, B * H, N, *o.stride()[:3]),
-        dict(D=D, CAUSAL=causal, BLOCK_M=WS_BLOCK_M, BLOCK_N=WS_BLOCK_N,
-             STAGES=WS_STAGES, CONSUMER_REGISTERS=WS_CONSUMER_REGISTERS,
+        dict(D=D, CAUSAL=causal, BLOCK_M=WS_BLOCK_M, BLOCK_N=block_n,
+             STAGES=stages, CONSUMER_REGISTERS=WS_CONSUMER_REGISTERS,
              LOADER_REGISTERS=WS_LOADER_REGISTERS),
         num_warps=4)
 
@@ -589,92 +616,15 @@ elif __name__ == "__main__":
 # "How we time") in two tables; the plot and verdicts read GPU time and say where back
 # to back differs. Under the interpreter they illustrate.
 
-WS = "Triton, warp-specialized (Gluon)"
-PORTABLE = "Triton v2 (lessons 06, 07)"
+WS, PORTABLE, DEFAULT = kit.GLUON_WS, kit.PORTABLE_V2, kit.DEFAULT_PATH
 ATOMIC = V2_BWD.ATOMIC  # lesson 07's atomic backward, which lesson 13 may choose
-DEFAULT = "Triton, default path"
 FP8 = "Triton v2 fp8"
 OURS = (WS, PORTABLE, ATOMIC, FP8, DEFAULT)
-PEERS = kit.FAST_PEERS
-INDEX = ["D", "causal", "mode", "N"]
-BY = "by GPU time" if kit.ON_GPU else "by the interpreter's wall-clock time"
-
-
-def portable_and_sdpa(causal, D):
-    """Lessons 06 and 07's kernels and SDPA's: both Hopper lessons' baselines."""
-    scale = D**-0.5
-    return {PORTABLE: lambda q, k, v: V2_BWD.attention(q, k, v, causal, scale),
-            **kit.sdpa_providers(causal, scale, PEERS)}
-
-
-def hopper_benchmark(mode, extra_providers, title):
-    """Lesson 06's cases in one mode, plotted by GPU time: (results, peak)."""
-    import matplotlib.pyplot as plt
-    import pandas as pd
-
-    peak = kit.matmul_tflops()
-    print(kit.ceiling_line(peak))
-    results = pd.DataFrame(kit.attention_benchmark(
-        V2.CASES, V2.SIZES, portable_and_sdpa, (mode,), extra_providers))
-    kit.plot_attention(kit.rate_tables(results, INDEX)[0], mode, peak, f"{title}, {BY}",
-                       OURS)
-    plt.show()
-    return results, peak
-
-
-def against_portable(results, peak, portable_name):
-    """One line per (D, causal): Gluon (else the portable kernel) against the peers."""
-    gpu, b2b = kit.rate_tables(results, INDEX)
-    peers = [c for c in PEERS if c in gpu]
-    ours = WS if WS in gpu else PORTABLE
-    for (D, causal), part in gpu.groupby(level=["D", "causal"], sort=False):
-        ratio = part[ours] / part[peers].max(axis=1)
-        line = (f"D={D:3d} {'causal    ' if causal else 'non-causal'}: "
-                f"{'Gluon' if ours == WS else portable_name} is {ratio.min():.2f}x "
-                f"to {kit.below_one(ratio.max())} the fastest PyTorch peer")
-        if ours == WS:
-            portable = part[WS] / part[PORTABLE]
-            line += (f" and {portable.min():.2f}x to {portable.max():.2f}x "
-                     f"{portable_name} (faster at {(portable > 1).sum()} of "
-                     f"{len(portable)} sizes), up to {part[WS].max() / peak:.0%} of "
-                     "the matmul rate")
-        print(line + kit.back_to_back_note(part, b2b.loc[part.index], ours, peers))
-    return peers
-
-
-def default_path(results, provider_of, peers, paths):
-    """(rows, table): the rows of provider_of(D, causal, N), the default path of table
-    `paths`, as DEFAULT's; per case, the path, its rate over the fastest peer's (by GPU
-    time) and its standing back to back among our kernels. A line counts both."""
-    import pandas as pd
-
-    gpu, b2b = kit.rate_tables(results, INDEX)
-    spreads = results.pivot_table(index=INDEX, columns="provider", values="spread")
-    short = {WS: "Gluon", PORTABLE: "portable", ATOMIC: "atomic"}
-    ours = [c for c in short if c in gpu]
-    path = pd.Series([provider_of(D, c, N) for D, c, _, N in gpu.index], gpu.index)
-    path = path[[p in ours and b2b.loc[case, p] > 0 for case, p in path.items()]]
-    table = pd.DataFrame({
-        "path": path.map(short),
-        "x fastest peer": [gpu.loc[case, p] for case, p in path.items()]
-        / gpu.loc[path.index, peers].max(axis=1),
-        "back to back": [kit.standing(p, b2b.loc[case, ours].dropna().to_dict(),
-                                      spreads.loc[case].to_dict())
-                         for case, p in path.items()]})
-    ratio, stood = table["x fastest peer"], table["back to back"]
-    slower = [f"D={D} {'causal' if c else 'non-causal'} N={N}"
-              for (D, c, _, N), s in stood.items() if s == "slower"]
-    print(f"The default path ({paths}'s choice at each case; table below) ran at "
-          f"{ratio.min():.2f}x to {kit.below_one(ratio.max())} the fastest PyTorch "
-          f"peer {BY}, at or above it at {(ratio >= 1).sum()} of {len(ratio)} cases. "
-          f"Back to back, among {', '.join(map(short.get, ours))}, it was fastest at "
-          f"{(stood == 'fastest').sum()}, tied with the fastest within the spread at "
-          f"{(stood == 'tie').sum()} and slower past it at {len(slower)}"
-          + (f" ({', '.join(slower)})" if slower else "") + f" of this run's "
-          f"{len(stood)} cases (every length, head dim and masking).")
-    rows = [dict(row, provider=DEFAULT) for row in results.to_dict("records")
-            if path.get(tuple(row[i] for i in INDEX)) == row["provider"]]
-    return rows, table.round(2)
+PATHS = {WS: "Gluon", PORTABLE: "portable", ATOMIC: "atomic"}  # short names
+INDEX, PEERS = kit.ATTENTION_INDEX, kit.FAST_PEERS
+BASELINES = kit.portable_and_peers(V2_BWD.attention)  # lessons 06 and 07, the peers
+hopper_benchmark = functools.partial(  # (mode, extra_providers, title), lesson 13's too
+    kit.hopper_benchmark, V2.CASES, V2.SIZES, BASELINES, ours=OURS)
 
 
 def default_forward(D, causal, N):
@@ -723,7 +673,7 @@ kit.rates_table(results, INDEX, "TFLOP/s") if __name__ == "__main__" else None
 # page, has noise of its own: a kernel within a few percent of it, or past it, is at it.
 
 if __name__ == "__main__":
-    peers = against_portable(results, peak, "lesson 06's kernel")
+    peers = kit.against_portable(results, peak, "lesson 06's kernel")
     gpu = kit.rate_tables(results, INDEX)[0]
     if FP8 in gpu:
         fp8 = (gpu[FP8] / gpu[PORTABLE]).dropna()
@@ -738,7 +688,8 @@ if __name__ == "__main__":
               "Triton's JIT, without a launch plan).")
     print(kit.spread_summary(results) if kit.ON_GPU else
           "These are interpreter timings: they measure NumPy on the CPU.")
-    defaults, paths = default_path(results, default_forward, peers, "FORWARD_PATHS")
+    defaults, paths = kit.default_path(results, default_forward, peers,
+                                       "FORWARD_PATHS", PATHS)
     ran = [c for c in (WS, PORTABLE) if c in gpu]
     kit.save_results("11-hopper-forward-gluon", [{
         "name": "attention forward, "
@@ -749,17 +700,11 @@ if __name__ == "__main__":
 paths if __name__ == "__main__" else None
 
 # %%
-# Exercise
-# --------
-# **Making a tensor loadable.** Write ``tma_ready(t)``: a tensor equal to the 4-D ``t``
-# that TMA can load (``tma_loadable``, defined above beside
-# ``warp_specialized_unsupported``, says what that takes), ``t`` itself where it already
-# is, a copy only where not. ``check_tma_ready(tma_ready)`` (no GPU needed) tries
-# contiguous, transposed, sliced, broadcast and misaligned tensors. Watch out:
-# ``t.contiguous()`` returns ``t`` itself whenever it is contiguous, even with data off
-# a 16-byte boundary. Write your attempt in a new cell at the end of this lesson's
-# notebook (linked at the end of the page) and call the check there, or in a file next
-# to the lessons that loads this one first:
+# Exercises
+# ---------
+# Write the attempt in a new cell at the end of this lesson's notebook (linked at the
+# end of the page) and call its check there, or in a file next to the lessons that
+# loads this one first:
 #
 # .. code-block:: python
 #
@@ -768,6 +713,13 @@ paths if __name__ == "__main__" else None
 #    L11 = kit.load_lesson("11-hopper-forward-gluon")
 #    # ... your tma_ready(t) ...
 #    L11.check_tma_ready(tma_ready)
+#
+# **Making a tensor loadable.** Write ``tma_ready(t)``: a tensor equal to the 4-D ``t``
+# that TMA can load (``tma_loadable``, defined above, says what that takes), ``t``
+# itself where it already is, a copy only where not. ``check_tma_ready`` (no GPU needed)
+# tries contiguous, transposed, sliced, broadcast and misaligned tensors. Watch out:
+# ``t.contiguous()`` returns ``t`` itself whenever it is contiguous, even with data off
+# a 16-byte boundary.
 
 
 def check_tma_ready(fn):

@@ -8,8 +8,9 @@ microseconds of GPU work, the two can differ. This lesson takes the calls of les
 two forwards apart there with a third clock, a timer on the host, which measures how
 long Python, the input checks and the launch take to *enqueue* a call. Then it measures
 one design choice of lesson 11 on its own: the persistent grid, one program per SM,
-against one program per tile. Previous lesson: :doc:`11-hopper-forward-gluon`; next:
-:doc:`13-hopper-backward-gluon`.
+against one program per tile; and what a program of it holds, its shared memory, read
+from the kernel compiled for Hopper. Previous lesson: :doc:`11-hopper-forward-gluon`;
+next: :doc:`13-hopper-backward-gluon`.
 
 You will learn:
 
@@ -19,11 +20,15 @@ You will learn:
 * how to tell, from numbers measured in one run, whether a call is host-bound, and what
   lesson 06's launch plans buy;
 * what one program per SM buys, measured by launching the same kernel both ways;
-* how to share causal tiles of unequal length evenly between programs, and how many
-  calls it takes for back to back to reach its pace (the exercises).
+* what the forward keeps in shared memory, computed from its constexprs and checked
+  against the compiled kernel, and so how deep its ring of K and V tiles can go;
+* how to share causal tiles of unequal length evenly between programs, how many calls
+  it takes for back to back to reach its pace, and how the tile width trades against
+  the ring's depth (the exercises).
 
 The measurements need a GPU, and the Gluon kernel a Hopper GPU: on a CPU the page shows
-the picture and the exercises, and says what it skipped.
+the pictures, the compiled kernel's shared memory and the exercises, and says what it
+skipped.
 """
 
 import math
@@ -35,6 +40,8 @@ import stepkit as kit  # picks the device; no GPU: the Triton interpreter
 
 V2 = kit.load_lesson("06-fused-attention-v2-forward")
 FWD = kit.load_lesson("11-hopper-forward-gluon")
+
+import triton  # after stepkit, which may switch the interpreter on first
 
 if __name__ == "__main__":
     print(kit.describe_platform())
@@ -144,7 +151,7 @@ if __name__ == "__main__" and kit.ON_GPU:
 
     N = V2.SIZES[0]
     results = pd.DataFrame(kit.attention_benchmark(
-        V2.CASES, [N], FWD.portable_and_sdpa, ("fwd",), gluon_forward))
+        V2.CASES, [N], FWD.BASELINES, ("fwd",), gluon_forward))
 elif __name__ == "__main__":
     print("The benchmark and the measurements below are GPU questions: under the "
           "interpreter every call runs on the host, one program after another.")
@@ -354,7 +361,7 @@ def draw_host_and_gpu(measured, N):
 def clocks_and_paths(results, N, default_of):
     """Sentences on our two forwards at length N of results: whether GPU time and
     back to back name the same one faster (within the spread: a tie), and how
-    default_of(D, causal, N) stood back to back (FWD.standing for both)."""
+    default_of(D, causal, N) stood back to back (kit.standing for both)."""
     same, differ, tied = 0, [], []
     stood = {"fastest": [], "tie": [], "slower": []}
     ours = results[(results["N"] == N) & results["provider"].isin([PORTABLE, WS])]
@@ -411,7 +418,7 @@ if __name__ == "__main__" and kit.ON_GPU:
 # overlap. Same kernel, same tiles (the repository's tests check that both give the same
 # bits); only the number of programs differs. The two are timed side by side in passes,
 # as the benchmark times its providers. At the longest length a tile's start and end
-# are a small part of its work, and the two come out close either way. The table, on a
+# are a small part of its work, so there the two should come out close. The table, on a
 # Hopper GPU, gives both times per call and the gain: the time with one program per
 # tile over the time with one per SM, above 1 where one per SM is faster, and a range
 # where the timings spread past the kit's limit.
@@ -464,20 +471,80 @@ if __name__ == "__main__" and kit.ON_GPU and persistence:
           f"{longest['high'].max():.2f}.")
 
 # %%
+# What a program holds: the shared-memory budget
+# ----------------------------------------------
+# ``shared_buffers`` computes what the kernel allocates from its constexprs; the chart
+# sets it against the shared memory of the kernel compiled for ``sm_90a`` (lesson 09's
+# ``compile_for_hopper``, no GPU needed), which adds Triton's own bytes: scratch for
+# layout conversions that pass through shared memory (:math:`O` into its store
+# layout, for one) and alignment. An H100 gives a program at most 227 KiB: a third
+# stage of 128-key tiles fits at :math:`D = 64`, not at 128 (exercise 3 goes on).
+
+
+def shared_buffers(D, block_n=FWD.WS_BLOCK_N, stages=FWD.WS_STAGES):
+    """{buffer: bytes} that lesson 11's kernel allocates for fp16 inputs."""
+    return {"Q": FWD.WS_BLOCK_M * D * 2, "K": stages * block_n * D * 2,
+            "V": stages * block_n * D * 2, "mbarriers": 8 * (2 + 4 * stages)}
+
+
+def compile_forward(D, BLOCK_N=FWD.WS_BLOCK_N, STAGES=FWD.WS_STAGES):
+    """Lesson 11's kernel compiled for sm_90a (fp16, causal), with no GPU."""
+    def box(rows):
+        layout = FWD._ws_box_layout(rows, D, torch.float16)
+        return f"tensordesc<fp16[1,1,{rows},{D}],{layout!r}>"
+
+    return FWD.L09.compile_for_hopper(
+        FWD.attn_fwd_ws_kernel, desc_q=box(FWD.WS_BLOCK_M // 2), desc_k=box(BLOCK_N),
+        desc_v=box(BLOCK_N), O="*fp16", LSE="*fp32", qk_scale="fp32",
+        **dict.fromkeys(["H", "BH", "N", "sob", "soh", "son"], "i32"), D=D,
+        CAUSAL=True, BLOCK_M=FWD.WS_BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
+        CONSUMER_REGISTERS=FWD.WS_CONSUMER_REGISTERS,
+        LOADER_REGISTERS=FWD.WS_LOADER_REGISTERS)
+
+
+def forward_fact(**config):
+    """Lesson 09's compiled_facts of compile_forward(**config)."""
+    return FWD.L09.compiled_facts(compile_forward(**config))
+
+
+def forward_facts(configs):
+    """forward_fact(**config) for each of configs, on any machine."""
+    return kit.compiled_where_triton_can(forward_fact, "12-hopper-forward-profiled",
+                                         configs)  # fmt: skip
+
+
+if __name__ == "__main__":
+    try:
+        dims = FWD.WS_HEAD_DIMS
+        facts = dict(zip(dims, forward_facts([{"D": D} for D in dims])))
+    except (RuntimeError, triton.CompilationError) as error:  # an API moved
+        print(f"Not compiled with Triton {triton.__version__} ({error}): the chart "
+              "shows the buffers alone.")
+        facts = dict.fromkeys(FWD.WS_HEAD_DIMS)
+    kit.draw_shared_budget({f"D = {D}": (f and f["shared"], shared_buffers(D))
+                            for D, f in facts.items()},
+                           FWD.L09.H100_SHARED_PER_PROGRAM,
+                           "an H100's 227 KiB a program")
+    for D, f in facts.items():  # the launch's warps and registers, as lesson 09 reads
+        print(f and f"D = {D}, compiled for sm_90a by Triton {triton.__version__}: "
+              f"{f['warps']} warps (.reqntid {f['reqntid']}), .maxnreg {f['maxnreg']}")
+
+
+# %%
 # Exercises
 # ---------
-# Both are plain Python and run on a CPU. Write each attempt in a new cell at the end of
-# this lesson's notebook (linked at the end of the page), below the checks, and call its
-# check as the exercise shows; or in a file next to the lessons that loads this one
-# first:
+# All three run on a CPU. Write each attempt in a new cell at the end of this lesson's
+# notebook (linked at the end of the page), below the checks, and call its check as the
+# exercise shows; or in a file next to the lessons that loads this one first:
 #
 # .. code-block:: python
 #
 #    import stepkit as kit
 #
 #    L12 = kit.load_lesson("12-hopper-forward-profiled")
-#    # ... your schedule(n_m, heads, programs) ...
+#    # ... your schedule(n_m, heads, programs), your depths ...
 #    L12.check_schedule(schedule)
+#    L12.check_ring_depths(depths)
 #
 # 1. **Balancing causal tiles.** Under causal masking query block :math:`m` of a head
 #    loads :math:`m + 1` key blocks. Write ``schedule(n_m, heads, programs)``
@@ -499,6 +566,13 @@ if __name__ == "__main__" and kit.ON_GPU and persistence:
 #    ``timeline`` computes. ``check_per_call(per_call)`` compares it with the schedule
 #    at several settings, then uses it to find how many calls of host 1.6 and GPU 1.0
 #    it takes to come within 1% of the pace: why the kit times many calls in a row.
+# 3. **A narrower tile, a deeper ring.** At :math:`D = 128` the ring holds 2 stages of
+#    128-key tiles: 256 keys in flight. How deep can it go with 64-key tiles
+#    (``BLOCK_N``), and with 32? Predict from the budget chart (Triton's own bytes
+#    hardly change with the ring) and write ``depths = {64: ..., 32: ...}``.
+#    ``check_ring_depths(depths)`` compiles the forward for ``sm_90a`` at each depth and
+#    one deeper (no GPU needed) and reads their shared memory; on a Hopper GPU it also
+#    runs each against float64 and reports its GPU time beside the lesson's tiles.
 
 
 def check_schedule(fn):
@@ -541,3 +615,48 @@ def check_per_call(fn):
     calls = next(n for n in range(1, 10**4) if fn(1.6, 1.0, n) <= 1.01 * 1.6)
     print(f"per_call follows the schedule. With host 1.6 and GPU 1.0, {calls} calls "
           "come within 1% of the host's pace.")
+
+
+def check_ring_depths(depths):
+    """depths {64: stages, 32: stages}: the deepest ring of BLOCK_N-key tiles that one
+    H100 program of the forward holds at D = 128."""
+    exercise = "A narrower tile, a deeper ring"
+    if not isinstance(depths, dict) or sorted(depths) != [32, 64]:
+        raise TypeError(f"depths must be a dict {{64: stages, 32: stages}}, got "
+                        f"{depths!r}")
+    for block_n, stages in depths.items():
+        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+            raise ValueError(f"depths[{block_n}] must be a whole number of stages, "
+                             f"1 or more, got {stages!r}")
+    shared = iter(f["shared"] for f in forward_facts([
+        dict(D=128, BLOCK_N=b, STAGES=s + deeper) for b, s in depths.items()
+        for deeper in (0, 1)]))
+    limit = FWD.L09.H100_SHARED_PER_PROGRAM
+    for (block_n, stages), fits, deeper in zip(depths.items(), shared, shared):
+        if fits > limit:
+            raise AssertionError(f"{exercise}: BLOCK_N = {block_n}, STAGES = {stages} "
+                                 f"needs {fits:,} bytes of shared memory, more than an "
+                                 f"H100 gives a program ({limit:,})")
+        if deeper <= limit:
+            raise AssertionError(f"{exercise}: BLOCK_N = {block_n}: STAGES = {stages} "
+                                 "fits, and so does a deeper ring")
+    rings = {FWD.WS_BLOCK_N: FWD.WS_STAGES, **depths}
+    ran = "the forward itself runs only on a Hopper GPU"
+    probe = torch.empty(1, 1, 8, 128, dtype=torch.float16, device=kit.DEVICE)
+    if FWD.warp_specialized_unsupported(probe, probe, probe) is None:
+        generator, scale = kit.fresh_generator(), 128**-0.5
+        q, k, v = (torch.randn(1, 8, 2048, 128, generator=generator).to(
+            kit.DEVICE, torch.float16) for _ in range(3))
+        want = kit.reference_attention(q.double(), k.double(), v.double(), True, scale)
+        o, lse = torch.empty_like(q), torch.empty(8, 2048, device=kit.DEVICE)
+        for block_n, stages in rings.items():
+            FWD._ws_forward(q, k, v, o, lse, True, scale, None, block_n, stages)
+            kit.expect_close(exercise, f"BLOCK_N = {block_n}, STAGES = {stages}, "
+                             "N = 2048", "O", o, want, torch.float16, 1e-2, 1e-2)
+        ms = {b: min(m.gpu) for b, m in kit.time_calls({b: kit.call_timer(
+            FWD._ws_forward, q, k, v, o, lse, True, scale, None, b, s)
+            for b, s in rings.items()}).items()}
+        ran = "by GPU time at N = 2048, causal: " + ", ".join(
+            f"{ms[b] * 1e3:.0f} us with {b}-key tiles" for b in rings)
+    print(f"{exercise}: right. Keys in flight: " + ", ".join(
+        f"{b * s} with {b}-key tiles" for b, s in rings.items()) + f"; {ran}.")

@@ -54,13 +54,11 @@ PROFILE = kit.load_lesson("12-hopper-forward-profiled")
 #    not two;
 # 4. starts :math:`dK \mathrel{+}= dS^T Q` last, and while it runs, sends its :math:`dQ`
 #    columns out: registers to shared memory, then a *TMA reduction*
-#    (``cp.reduce.async.bulk``) adds the whole fp32 tile into global memory in one bulk
-#    operation, in the L2 cache, while the warps go on.
+#    (``cp.reduce.async.bulk``) adds the whole fp32 tile into global memory in bulk, in
+#    the L2 cache, while the warps go on.
 #
-# The picture: what each group holds and multiplies for one query block at
-# :math:`D = 128`; the dashed lines in :math:`dQ` mark the 32-column boxes that its TMA
-# reductions send (the next section says why 32).
-
+# The picture: what each group holds and multiplies for one query block at :math:`D =
+# 128`; dashed lines in :math:`dQ` mark the 32-column boxes its TMA reductions send.
 
 if __name__ == "__main__":
     kit.draw_split()
@@ -87,27 +85,25 @@ if __name__ == "__main__":
 #   :math:`\mathrm{LSE}_2` and :math:`\Delta` into shared memory by TMA (no pointers,
 #   masks or index vectors in the consumers); :math:`P^T` is kept in 16 bits once
 #   :math:`dS^T` is made; the causal mask's index vectors are made where used; and one
-#   loop handles masked and unmasked query blocks, the mask behind a branch (a second
-#   loop made the compiler spill in both).
-# * **Query blocks as large as the registers allow.** At :math:`D = 64`, :math:`dK` and
-#   :math:`dV` take half the registers, which leaves room for 128-query tiles of
-#   :math:`S^T` and :math:`dP^T`: each exchange of :math:`dS^T`, barrier and reduction
-#   of :math:`dQ` then serves twice the products.
+#   loop handles masked and unmasked query blocks, the mask behind a branch, so that
+#   the compiler plans registers for one loop body, not two.
+# * **Query blocks as large as the registers allow.** At :math:`D = 64`, :math:`dK`,
+#   :math:`dV` take half the registers, leaving room for 128-query :math:`S^T`,
+#   :math:`dP^T`: each exchange and reduction then serves twice the products.
 # * **Overlap.** :math:`dK`'s product is issued after :math:`dQ`'s, so the wait for
 #   :math:`dQ` leaves it running while the tile is stored and sent.
 # * **Exponentials under a product.** ``warpgroup_mma_wait(1)`` waits for :math:`S^T`
 #   alone (products finish in order), so :math:`P^T`'s exponentials run while
-#   :math:`dP^T` is multiplied. Issuing :math:`dV`'s product before the second wait too
-#   was tried and dropped (engineering notes).
+#   :math:`dP^T` is multiplied.
 # * **Wide stores, where they pay.** ``wgmma`` leaves each thread pairs of adjacent
 #   values of :math:`dK` and :math:`dV` (4-byte stores); without the causal mask they
-#   are first rearranged into lesson 11's store layout (16-byte stores). With the mask
-#   that did not pay (engineering notes).
+#   are first rearranged into lesson 11's store layout (16-byte stores), with it stored
+#   as they are (the engineering notes have the measurements that chose each).
 #
-# Where the TMA box crosses the end of the sequence, the loads fill zeros and the
-# reductions skip the rows past :math:`N`: no query block needs a bounds mask.
-# :math:`dQ` is summed in fp32 in varying order, so its last bits can differ from run
-# to run; ``atomic_dq=False`` asks for lesson 07's two-pass backward: the same bits.
+# Past the end of the sequence TMA loads fill zeros and reductions skip the rows: no
+# query block needs a bounds mask. :math:`dQ` is summed in fp32 in varying order, so its
+# last bits can vary between runs; ``atomic_dq=False`` asks for lesson 07's two-pass
+# backward: the same bits.
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -339,8 +335,7 @@ def attn_bwd_ws_kernel(desc_q, desc_k, desc_v, desc_do, desc_lse, desc_delta, de
     do_full = _ws_barrier_ring(STAGES, 1)
     q_empty = _ws_barrier_ring(STAGES, 2)
     do_empty = _ws_barrier_ring(STAGES, 2)
-    # The argument tuples are written out in the call, as in lesson 11: a tuple stored
-    # in a variable first would turn CAUSAL and STAGES into run-time values.
+    # Tuples written out in the call, as in lesson 11: stored, constexprs turn run-time.
     gl.warp_specialize([
         (_ws_bwd_consumer, (0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
                             ds_smem, dq_smem, kv_full, q_full, q_empty, do_full,
@@ -402,19 +397,29 @@ def _ws_backward(q, k, v, do, lse, delta, causal, sm_scale):
 
 
 # %%
+# The grid: a program per key block and head. Each writes its keys' rows of :math:`dK`
+# and :math:`dV` alone and adds into :math:`dQ`'s rows of every query block it walks:
+# causal, from the block of its first key (``first``), those crossing the diagonal
+# masked (before ``unmasked_from``). Drawn by the kernel's rules, one head of 512, at
+# :math:`D = 128`.
+
+if __name__ == "__main__":
+    n, block_m, block_n = 512, WS_BWD_BLOCK_M[128], WS_BWD_BLOCK_N
+    kit.draw_program_ownership(n, block_n, block_m, {
+        p: (p * block_n // block_m, (p + 1) * block_n // block_m, n // block_m)
+        for p in range(n // block_n)})
+
+# %%
 # The launcher and autograd
 # -------------------------
 # Three backwards can follow either forward: this lesson's Gluon kernel, and lesson
-# 07's two-pass and atomic ones. ``attention`` runs the one that ``python tools/tune.py
-# attention`` measured fastest for the case before this build (``BACKWARD_PATHS``, from
-# ``tuned_tables.json``; as in lesson 11, a path's cost is the slower of its GPU time
-# and the host's time per call), and the forward that lesson 11's table names;
-# "Reading the numbers" counts where this run agrees. The arguments overrule the tables:
-# ``atomic_dq=False`` asks for the two-pass backward (the same bits of :math:`dQ` every
-# run), ``True`` for an atomic one (Gluon's where it runs, lesson 07's elsewhere);
-# ``warp_specialized=True`` for the Gluon kernels, forward and backward, ``False`` for
-# lessons 06 and 07's. A case the tables do not cover runs Gluon where it can, and
-# otherwise the two-pass backward.
+# 07's two-pass and atomic ones. ``attention`` runs the one that ``tools/tune.py
+# attention`` measured fastest for the case before this build (``BACKWARD_PATHS``, cost
+# as in lesson 11), and lesson 11's table's forward; "Reading the numbers" counts where
+# this run agrees. Arguments overrule the tables: ``atomic_dq=False`` asks for the
+# two-pass backward (the same bits every run), ``True`` for an atomic one (Gluon's where
+# it runs), ``warp_specialized`` for or against the Gluon kernels, both ways. Cases the
+# tables miss run Gluon where it can, else the two-pass backward.
 
 BACKWARD_PATHS = FWD.paths_table("backward-paths")
 
@@ -548,11 +553,11 @@ kit.rates_table(results, FWD.INDEX, "TFLOP/s") if __name__ == "__main__" else No
 # Computed from the two tables above, in this run; the default path's table follows.
 
 if __name__ == "__main__":
-    peers = FWD.against_portable(results, peak, "lesson 07's two-pass backward")
+    peers = kit.against_portable(results, peak, "lesson 07's two-pass backward")
     print(kit.spread_summary(results) if kit.ON_GPU else
           "These are interpreter timings: they measure NumPy on the CPU.")
-    defaults, paths = FWD.default_path(results, default_backward, peers,
-                                       "BACKWARD_PATHS")
+    defaults, paths = kit.default_path(results, default_backward, peers,
+                                       "BACKWARD_PATHS", FWD.PATHS)
     ran = [c for c in (WS, PORTABLE, ATOMIC) if c in results["provider"].values]
     kit.save_results("13-hopper-backward-gluon", [{
         "name": "attention backward, "
@@ -565,18 +570,15 @@ paths if __name__ == "__main__" else None
 # %%
 # The host at the smallest size
 # -----------------------------
-# At the smallest size the host's share of a call is largest, for lesson 12's reason: a
-# backward call is a few Python launches (two kernels for the two-pass backward; for
-# the atomic and Gluon ones the preprocess, the main kernel, and zeroing and converting
-# the fp32 :math:`dQ`) after PyTorch's autograd engine, and the host's time to enqueue
-# them can exceed the GPU's time to run them. Lesson 12's ``pacing_rows`` sets each
-# backward's host time, measured now, beside the GPU and back-to-back times of the
-# benchmark, and reads them with ``who_paced`` (a host time longer than back to back,
-# past the limit, is *inconsistent*: lesson 12 says why). Beside them, the host's floor
-# for any backward written in Python: an autograd function whose backward launches
-# nothing and hands back gradients made beforehand. It does the same work in every
-# case, so its own range shows how far host times drift between measurements. cuDNN's
-# backward is C++ inside PyTorch and pays no such Python round trip.
+# At the smallest size the host's share of a call is largest (lesson 12): a backward
+# is a few Python launches (two kernels for the two-pass backward; for the atomic and
+# Gluon ones the preprocess, the main kernel, and zeroing and converting the fp32
+# :math:`dQ`) after PyTorch's autograd engine. Lesson 12's ``pacing_rows`` sets each
+# backward's host time, measured now, beside the benchmark's GPU and back-to-back
+# times, and reads them with ``who_paced``. Beside them, the host's floor for any
+# backward written in Python: an autograd function whose backward launches nothing.
+# It does the same work in every case, so its own range shows how far host times drift.
+# cuDNN's backward is C++ inside PyTorch and pays no such Python round trip.
 
 
 class _GradientsReady(torch.autograd.Function):
@@ -730,9 +732,7 @@ elif __name__ == "__main__":
 # The percentages are of the matrix-multiply rate measured above. cuDNN's call also
 # runs small kernels around its main one (ours: :math:`\Delta`, zeroing and converting
 # :math:`dQ`): where those take about as long as cuDNN's and our main kernel multiplies
-# more slowly, the gap lies inside the main kernel. The engineering notes record the
-# schedules tried there and dropped: a third pipeline stage, double-buffered :math:`dQ`
-# staging, each group summing :math:`dQ` over its own keys, 32-column :math:`dQ` pieces.
+# more slowly, the gap lies inside the main kernel.
 #
 # Exercises
 # ---------

@@ -36,6 +36,7 @@ import numbers
 import os
 import platform
 import re
+import subprocess
 import sys
 import time
 import types
@@ -1712,6 +1713,155 @@ def spread_summary(results):
     )
 
 
+# -- Attention: the Hopper lessons' benchmark and verdicts -------------------
+# Lessons 11 and 13 race their Gluon kernels against lessons 06 and 07's portable
+# ones and the fastest peers, and read which path their `attention` takes by default.
+
+GLUON_WS = "Triton, warp-specialized (Gluon)"
+PORTABLE_V2 = "Triton v2 (lessons 06, 07)"
+DEFAULT_PATH = "Triton, default path"
+ATTENTION_INDEX = ["D", "causal", "mode", "N"]
+TIMED_BY = "by GPU time" if ON_GPU else "by the interpreter's wall-clock time"
+
+
+def portable_and_peers(portable):
+    """providers(causal, D) for attention_benchmark: portable(q, k, v, causal, scale)
+    as PORTABLE_V2 and FAST_PEERS, the Hopper lessons' baselines."""
+
+    def providers(causal, D):
+        scale = D**-0.5
+        return {
+            PORTABLE_V2: lambda q, k, v: portable(q, k, v, causal, scale),
+            **sdpa_providers(causal, scale, FAST_PEERS),
+        }
+
+    return providers
+
+
+def hopper_benchmark(cases, sizes, providers, mode, extra_providers, title, ours):
+    """attention_benchmark of one mode, plotted by GPU time: (results, peak)."""
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    peak = matmul_tflops()
+    print(ceiling_line(peak))
+    results = pd.DataFrame(
+        attention_benchmark(cases, sizes, providers, (mode,), extra_providers)
+    )
+    table = rate_tables(results, ATTENTION_INDEX)[0]
+    plot_attention(table, mode, peak, f"{title}, {TIMED_BY}", ours)
+    plt.show()
+    return results, peak
+
+
+def against_portable(results, peak, portable_name):
+    """One line per (D, causal): Gluon (else the portable kernel) against the peers;
+    returns the peers that ran."""
+    gpu, b2b = rate_tables(results, ATTENTION_INDEX)
+    peers = [c for c in FAST_PEERS if c in gpu]
+    ours = GLUON_WS if GLUON_WS in gpu else PORTABLE_V2
+    for (D, causal), part in gpu.groupby(level=["D", "causal"], sort=False):
+        ratio = part[ours] / part[peers].max(axis=1)
+        line = (
+            f"D={D:3d} {'causal    ' if causal else 'non-causal'}: "
+            f"{'Gluon' if ours == GLUON_WS else portable_name} is {ratio.min():.2f}x "
+            f"to {below_one(ratio.max())} the fastest PyTorch peer"
+        )
+        if ours == GLUON_WS:
+            portable = part[GLUON_WS] / part[PORTABLE_V2]
+            line += (
+                f" and {portable.min():.2f}x to {portable.max():.2f}x "
+                f"{portable_name} (faster at {(portable > 1).sum()} of "
+                f"{len(portable)} sizes), up to {part[GLUON_WS].max() / peak:.0%} of "
+                "the matmul rate"
+            )
+        print(line + back_to_back_note(part, b2b.loc[part.index], ours, peers))
+    return peers
+
+
+def default_path(results, provider_of, peers, paths, short):
+    """(rows, table): the rows of provider_of(D, causal, N), the default path of table
+    `paths`, as DEFAULT_PATH's; per case, the path (short: {provider: its short
+    name}), its rate over the fastest peer's (by GPU time) and its standing back to
+    back among our kernels. A line counts both."""
+    import pandas as pd
+
+    gpu, b2b = rate_tables(results, ATTENTION_INDEX)
+    spreads = results.pivot_table(
+        index=ATTENTION_INDEX, columns="provider", values="spread"
+    )
+    ours = [c for c in short if c in gpu]
+    path = pd.Series([provider_of(D, c, N) for D, c, _, N in gpu.index], gpu.index)
+    path = path[[p in ours and b2b.loc[case, p] > 0 for case, p in path.items()]]
+    table = pd.DataFrame(
+        {
+            "path": path.map(short),
+            "x fastest peer": [gpu.loc[case, p] for case, p in path.items()]
+            / gpu.loc[path.index, peers].max(axis=1),
+            "back to back": [
+                standing(
+                    p, b2b.loc[case, ours].dropna().to_dict(),
+                    spreads.loc[case].to_dict(),
+                )
+                for case, p in path.items()
+            ],
+        }
+    )
+    ratio, stood = table["x fastest peer"], table["back to back"]
+    slower = [
+        f"D={D} {'causal' if c else 'non-causal'} N={N}"
+        for (D, c, _, N), s in stood.items()
+        if s == "slower"
+    ]
+    print(
+        f"The default path ({paths}'s choice at each case; table below) ran at "
+        f"{ratio.min():.2f}x to {below_one(ratio.max())} the fastest PyTorch "
+        f"peer {TIMED_BY}, at or above it at {(ratio >= 1).sum()} of {len(ratio)} "
+        f"cases. Back to back, among {', '.join(map(short.get, ours))}, it was "
+        f"fastest at {(stood == 'fastest').sum()}, tied with the fastest within the "
+        f"spread at {(stood == 'tie').sum()} and slower past it at {len(slower)}"
+        + (f" ({', '.join(slower)})" if slower else "")
+        + f" of this run's {len(stood)} cases (every length, head dim and masking)."
+    )
+    rows = [
+        dict(row, provider=DEFAULT_PATH)
+        for row in results.to_dict("records")
+        if path.get(tuple(row[i] for i in ATTENTION_INDEX)) == row["provider"]
+    ]
+    return rows, table.round(2)
+
+
+# Gluon's reductions (gl.max, gl.sum) do not compile in a process whose Triton was
+# imported with its interpreter on: a fresh Python, importing Triton first, does.
+_FRESH_PYTHON = """import json, sys
+import triton
+sys.path.insert(0, sys.argv[1])
+import stepkit as kit
+fn = getattr(kit.load_lesson(sys.argv[2]), sys.argv[3])
+try:
+    out = [fn(**config) for config in json.loads(sys.argv[4])]
+except Exception as error:
+    out = f"{type(error).__name__}: {str(error).strip().splitlines()[-1]}"
+print(json.dumps(out))"""
+
+
+def compiled_where_triton_can(fn, lesson, configs):
+    """[fn(**config) for config in configs], fn a function of lesson that compiles
+    and returns JSON: here where this process's Triton compiles, else in a fresh
+    Python with the interpreter off (no GPU needed to compile)."""
+    if isinstance(triton.language.standard.max, triton.runtime.JITFunction):
+        return [fn(**config) for config in configs]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    command = [sys.executable, "-c", _FRESH_PYTHON, str(HERE), lesson, fn.__name__]
+    run = subprocess.run(
+        [*command, json.dumps(configs)], capture_output=True, text=True, env=env
+    )
+    out = json.loads(run.stdout.splitlines()[-1]) if run.stdout.strip() else None
+    if not isinstance(out, list):
+        raise RuntimeError(out or f"the compiling Python failed ({run.returncode})")
+    return out
+
+
 # -- Diagrams ------------------------------------------------------------------
 # Pictures of the lessons' ideas, drawn with matplotlib on any machine. Diagrams use
 # their own neutral palette, apart from the providers' colours of STYLE.
@@ -2010,35 +2160,32 @@ def draw_programs_and_blocks(n, block):
     return fig
 
 
-def draw_roles(blocks=4):
-    """Lesson 11's schedule of one program: the loader warp's TMA copies and two
-    consumer groups' products and exponentials, P_{j-1}V_{j-1} beside exp_j."""
+def draw_roles(ring_slot, blocks=4, stages=2, **durations):
+    """Lesson 11's roles in one program over `blocks` key blocks, as role_timeline
+    (below) schedules them by the ring's rules: the loader's TMA copies, each
+    consumer group's products and exponentials. durations: role_timeline's. Returns
+    the figure."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 3.8))
-    lanes = {"loader warp": 2.0, "consumer group 0": 1.0, "consumer group 1": 0.0}
-    tensor, alu, copy = "#3b7dd8", "#e4a23c", "#7f7f7f"
-    text = functools.partial(ax.text, ha="center", va="center")
-    for j in range(blocks + 1):
-        loads = ((f"K{j}", j * 3.0), (f"V{j}", j * 3.0 + 1.3)) if j < blocks else ()
-        for name, t in loads:
-            ax.broken_barh([(t, 1.2)], (lanes["loader warp"] - 0.3, 0.6), color=copy)
-            text(t + 0.6, 2.0, name, color="white")
-        for lane, offset in (("consumer group 0", 1.4), ("consumer group 1", 2.4)):
-            t, y = j * 3.0 + offset, lanes[lane]
-            if j < blocks:
-                ax.broken_barh([(t, 0.8)], (y - 0.3, 0.6), color=tensor)
-                text(t + 0.4, y, f"S{j}", color="white")
-                ax.broken_barh([(t + 0.85, 1.1)], (y - 0.3, 0.6), color=alu)
-                text(t + 1.4, y, f"exp{j}")
-            if j > 0:  # P_{j-1} V_{j-1} runs on the tensor cores while exp_j runs
-                ax.broken_barh([(t + 0.85, 1.1)], (y - 0.42, 0.12), color=tensor)
-                text(t + 1.4, y - 0.55, f"P{j - 1}V{j - 1}")
-    ax.set_yticks(list(lanes.values()), list(lanes.keys()))
-    ax.set(xticks=[], ylim=(-0.8, 2.5), xlabel="time (illustrative)",
-           title="Roles in one program: the loader copies, two consumer groups compute")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in (copy, tensor, alu)]
-    names = ["TMA copy into a buffer", "tensor cores (wgmma)",
+    plot_style()
+    bars = role_timeline(ring_slot, blocks, stages, **durations)
+    fig, ax = plt.subplots(figsize=(8.5, 3.6))
+    colours = {"copy": "#7f7f7f", "product": "#3b7dd8", "exp": "#e4a23c"}
+    rows = {"copy": 0.0, "product": 0.17, "exp": -0.17}  # products above exponentials
+    for y, (lane, lane_bars) in enumerate(reversed(bars.items())):
+        for start, length, label, kind in lane_bars:
+            height = 0.6 if kind == "copy" else 0.3
+            ax.broken_barh([(start, length)], (y + rows[kind] - height / 2, height),
+                           color=colours[kind], edgecolor="white")
+            ax.text(start + length / 2, y + rows[kind], label, ha="center",
+                    va="center", fontsize=7 if kind == "copy" else 8,
+                    color="black" if kind == "exp" else "white")
+    ax.set_yticks(range(len(bars)), list(reversed(bars)))
+    ax.set(xticks=[], ylim=(-0.5, len(bars) - 0.5), xlabel="time (a model, in units "
+           "of one product)", title=f"Roles in one program, by the ring's rules: "
+           f"{stages} buffers each for K and V")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
+    names = ["TMA copy (K2 →0: K_2 into buffer 0)", "tensor cores (wgmma)",
              "exponentials (ordinary cores)"]
     fig.legend(handles, names, loc="lower center", ncol=3, frameon=False)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
@@ -2146,5 +2293,197 @@ def draw_decode_layout(lengths=(13, 5, 9), chunk=4, page=4):
     right.set(xlim=(-1.5, max(max(pages), sum(pages) / 2) + 0.2), ylim=(-0.8, rows + 1),
               title=f"Paged: a block table (rows),\nthen the pool of {page}-key pages")
     left.axis("off"), right.axis("off")
+    fig.tight_layout()
+    return fig
+
+
+# Lessons 11 and 13 (Hopper): the roles' timeline by the ring's rules, a register
+# layout, a shared-memory budget, what the backward's programs own.
+
+
+def role_timeline(ring_slot, blocks=4, stages=2, copy=0.5, product=1.0, exp=1.0):
+    """A model of lesson 11's forward over one tile of `blocks` key blocks, scheduled
+    by the kernel's rules, not measured: {lane: [(start, length, label, kind)]} for
+    lanes "loader warp" (kind "copy") and "consumer group 0" and "1" ("product",
+    "exp"). The loader copies Q, then K_j and V_j into buffer ring_slot(j, stages)[0],
+    each once both groups have released the block `stages` before it there; copies run
+    one at a time, and so do products: both groups share the SM's tensor cores. Each
+    group runs the kernel's loop: issue S_j, then P_{j-1} V_{j-1} (run in that order);
+    when S_j is done, release K_j and compute exp_j; when P_{j-1} V_{j-1} is done,
+    release V_{j-1}. Durations are in any one unit."""
+    if blocks < 1 or stages < 1:
+        raise ValueError(f"blocks and stages must be at least 1, got {blocks} and "
+                         f"{stages}")
+    groups = ("consumer group 0", "consumer group 1")
+    bars = {"loader warp": [], **{g: [] for g in groups}}
+    busy, landed, released = [], {}, {}  # tensor cores' (start, end); per copy
+    order = iter([("Q", 0)] + [(x, j) for j in range(blocks) for x in "KV"])
+    loader = {"issued": 0.0, "copying until": 0.0}
+
+    def on_tensor_cores(ready):
+        start = ready
+        for begin, end in sorted(busy):  # the first gap from ready that fits
+            if begin < start + product and start < end:
+                start = end
+        busy.append((start, start + product))
+        return start
+
+    def arrival(what, j):
+        """When the copy of what_j lands: the loader issues copies in its order."""
+        while (what, j) not in landed:
+            name, i = next(order)
+            buffer = ring_slot(i, stages)[0]
+            if name != "Q" and i >= stages:  # the buffer's last block released
+                loader["issued"] = max(loader["issued"], released[name, i - stages])
+            start = max(loader["issued"], loader["copying until"])
+            loader["copying until"] = landed[name, i] = start + copy
+            label = "Q" if name == "Q" else f"{name}{i}\n→{buffer}"
+            bars["loader warp"].append((start, copy, label, "copy"))
+        return landed[what, j]
+
+    def release(what, j, when):
+        released[what, j] = max(released.get((what, j), 0.0), when)
+
+    free = dict.fromkeys(groups, 0.0)  # when each group's warps go on
+    for j in range(blocks + 1):
+        for g in groups:
+            s_end = free[g]
+            if j < blocks:
+                s = on_tensor_cores(max(free[g], arrival("Q", 0), arrival("K", j)))
+                s_end = s + product
+                bars[g].append((s, product, f"S{j}", "product"))
+            if j > 0:
+                v = on_tensor_cores(max(free[g], s_end, arrival("V", j - 1)))
+                bars[g].append((v, product, f"P{j - 1}V{j - 1}", "product"))
+            free[g] = s_end
+            if j < blocks:
+                release("K", j, s_end)
+                bars[g].append((s_end, exp, f"exp{j}", "exp"))
+                free[g] += exp
+            if j > 0:
+                free[g] = max(free[g], v + product)
+                release("V", j - 1, free[g])
+    return bars
+
+
+def draw_register_layout(tiles, zoom=(16, 8)):
+    """Which thread holds each element of register tiles: tiles {title: held}, held
+    as lesson 09's owners(layout, shape) gives it (arrays "warp", "lane", "register"
+    of the tile's shape). A panel per tile, coloured by warp; then the first tile's
+    top-left corner of zoom rows and columns, each cell its thread (lane), coloured
+    by register index. Returns the figure."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    if not tiles:
+        raise ValueError("tiles must hold at least one tile")
+    plot_style()
+    first = next(iter(tiles.values()))
+    rows, cols = (min(z, n) for z, n in zip(zoom, first["lane"].shape))
+    fig, axes = plt.subplots(1, len(tiles) + 1, figsize=(3.2 * len(tiles) + 4.6, 5.2),
+                             gridspec_kw=dict(width_ratios=[1] * len(tiles) + [1.4]))
+    for ax, (title, held) in zip(axes, tiles.items()):
+        ax.imshow(held["warp"], cmap="Pastel1", vmin=0, vmax=8, aspect="auto")
+        for w in np.unique(held["warp"]):
+            r, c = np.argwhere(held["warp"] == w).mean(axis=0)
+            ax.text(c, r, f"warp {w}", ha="center", va="center")
+        ax.set(xlabel="column", ylabel="row", title=f"{title}:\n"
+               f"{held['register'].max() + 1} registers per thread")
+    axes[0].add_patch(plt.Rectangle((-0.5, -0.5), cols, rows, fill=False, lw=2))
+    corner = first["register"][:rows, :cols]
+    shades = int(corner.max()) + 1
+    image = axes[-1].imshow(corner, cmap=plt.get_cmap("Pastel2", shades),
+                            vmin=-0.5, vmax=shades - 0.5, aspect="auto")
+    fig.colorbar(image, ax=axes[-1], ticks=range(shades), label="register index")
+    for (r, c), lane in np.ndenumerate(first["lane"][:rows, :cols]):
+        axes[-1].text(c, r, f"T{lane}", ha="center", va="center", fontsize=9)
+    axes[-1].set(xlabel="column", ylabel="row", title="the boxed corner: thread "
+                 "(lane) per cell,\ncolour: register index")
+    fig.tight_layout()
+    return fig
+
+
+def draw_shared_budget(programs, limit, limit_name):
+    """Shared memory per program as stacked bars: programs {name: (bytes the compiled
+    program uses, or None where it could not be compiled, {buffer: bytes})}; what
+    the compiled program uses past its buffers is "Triton's own". limit: the bytes
+    one program may have (dashed), limit_name says whose. Returns the figure."""
+    import matplotlib.pyplot as plt
+
+    plot_style()
+    fig, ax = plt.subplots(figsize=(8.5, 1.6 + 0.7 * len(programs)))
+    parts = {}  # part: colour, the same in every bar
+    palette = ["#3b7dd8", "#8fa3bf", "#b7d3b0", "#d9c9a3", "#e0b4b4"]
+    widest = limit
+    for y, (name, (used, buffers)) in enumerate(programs.items()):
+        shown = dict(buffers)
+        if used is not None:
+            if used < sum(buffers.values()):
+                raise ValueError(f"{name}: the compiled program uses {used:,} bytes, "
+                                 f"less than its buffers' {sum(buffers.values()):,}")
+            shown["Triton's own"] = used - sum(buffers.values())
+        left = 0
+        for part, size in shown.items():
+            special = {"mbarriers": "#d62728", "Triton's own": "#7f7f7f"}
+            colour = parts.setdefault(part, special.get(part) or palette[
+                sum(p not in special for p in parts) % len(palette)])
+            ax.barh(y, size / 1024, left=left / 1024, color=colour, edgecolor="white")
+            if size >= 0.1 * limit:  # wide enough to hold its label
+                ax.text((left + size / 2) / 1024, y, f"{size / 1024:.0f} KiB",
+                        ha="center", va="center", fontsize=8)
+            left += size
+        small = [f"{part} {size:,}" for part, size in shown.items()
+                 if size < 0.1 * limit]
+        total = f"{used:,} bytes compiled" if used is not None else \
+            f"{left:,} bytes in buffers (not compiled)"
+        ax.text(left / 1024 + 2, y, "\n".join([total, ", ".join(small)]).strip(),
+                va="center", fontsize=8)
+        widest = max(widest, left)
+    ax.axvline(limit / 1024, color="black", linestyle="--")
+    ax.set_yticks(range(len(programs)), list(programs))
+    ax.invert_yaxis()
+    ax.set(xlim=(0, max(widest * 1.6, limit * 1.1) / 1024), xlabel=f"KiB of shared "
+           f"memory (dashed: "
+           f"{limit_name})", title="Shared memory per program: buffers, mbarriers "
+           "and Triton's own bytes")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in parts.values()]
+    fig.legend(handles, list(parts), loc="lower center", ncol=len(parts),
+               frameon=False, fontsize=9)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    return fig
+
+
+def draw_program_ownership(n, block_n, block_m, walks):
+    """Lesson 13's backward over one head of n keys and queries: one program per key
+    block of block_n keys; walks {program: (first, unmasked_from, last)}, the query
+    blocks of block_m rows it walks (masked before unmasked_from). Each program
+    writes its keys' rows of dK and dV alone; a query block's rows of dQ are summed
+    over the programs that walk it. Returns the figure."""
+    import matplotlib.pyplot as plt
+
+    plot_style()
+    fig, ax = plt.subplots(figsize=(8.5, 5.2))
+    colours = ["#3b7dd8", "#e4a23c", "#2ca02c", "#9467bd", "#8c564b", "#17becf"]
+    adders = {}  # query block: programs that add into its rows of dQ
+    for p, (first, unmasked_from, last) in walks.items():
+        colour = colours[p % len(colours)]
+        for j in range(first, last):
+            ax.add_patch(plt.Rectangle(
+                (p * block_n, j * block_m), block_n, block_m, facecolor=colour,
+                edgecolor="white", alpha=0.85, hatch="//" if j < unmasked_from
+                else None))
+            adders.setdefault(j, []).append(p)
+        ax.add_patch(plt.Rectangle((p * block_n, n + 0.04 * n), block_n, 0.07 * n,
+                                   facecolor=colour, edgecolor="white"))
+        ax.text((p + 0.5) * block_n, n + 0.075 * n, f"dK, dV: program {p}",
+                ha="center", va="center", fontsize=8, color="white")
+    for j, programs in sorted(adders.items()):
+        ax.text(n + 0.03 * n, (j + 0.5) * block_m, "dQ += programs "
+                + ", ".join(map(str, programs)), va="center", fontsize=8)
+    ax.set(xlim=(0, 1.45 * n), ylim=(1.14 * n, 0), xlabel="keys (a program each "
+           f"{block_n})", ylabel=f"queries (blocks of {block_m})", title="What each "
+           "program of the backward owns: one head, causal (hatched: masked)")
+    ax.set_xticks(range(0, n + 1, block_n))
+    ax.set_yticks(range(0, n + 1, block_m))
     fig.tight_layout()
     return fig
