@@ -105,9 +105,9 @@ V2 = kit.load_lesson("06-fused-attention-v2-forward")  # the forward and its lau
 # A :math:`dQ` program holds its rows of :math:`dO` anyway; it loads the same rows of
 # :math:`O`, computes their :math:`\Delta`, uses it, and stores it. So this pass runs
 # *first*, and the :math:`dK, dV` pass, which walks every query block and needs every
-# row's :math:`\Delta`, reads what it stored. The preprocess kernel that v1 and
-# Triton's own tutorial launch for :math:`\Delta` is gone: one launch fewer per
-# backward, which counts where the host's time per call paces the GPU. The atomic
+# row's :math:`\Delta`, reads what it stored. v1 and Triton's own tutorial launch a
+# preprocess for :math:`\Delta`; here it would make a third launch, which counts where
+# the host's time per call paces the GPU, and the two passes stay two. The atomic
 # backward has no :math:`dQ` pass to fold it into, so it keeps the preprocess.
 #
 # In both, masking is needed only on the diagonal and the ragged edges: a query row
