@@ -20,6 +20,8 @@ You will learn:
 * how to tell, from numbers measured in one run, whether a call is host-bound, and what
   lesson 06's launch plans buy;
 * what one program per SM buys, measured by launching the same kernel both ways;
+* how to take the host out: a CUDA graph, and the forward registered as an operator
+  (``torch.library.triton_op``) that ``torch.compile(fullgraph=True)`` takes whole;
 * what the forward keeps in shared memory, computed from its constexprs and checked
   against the compiled kernel, and so how deep its ring of K and V tiles can go;
 * how to share causal tiles of unequal length evenly between programs, how many calls
@@ -469,6 +471,89 @@ if __name__ == "__main__" and kit.ON_GPU and persistence:
           f"{sizes[1]}, by {short['low'].min():.2f}x to {short['high'].max():.2f}x; "
           f"at N = {sizes[-1]} the gain was {longest['low'].min():.2f} to "
           f"{longest['high'].max():.2f}.")
+
+# %%
+# Taking the host out: one operator, recorded once
+# ------------------------------------------------
+# Where the host paces a short call, the cure is to stop running Python on every call.
+# A *CUDA graph* records the kernels that a call launches, once, and replays them with
+# one host call; ``attention`` can be recorded as it is (the benchmark's GPU time
+# replays it so). ``torch.compile(fullgraph=True)`` goes further, tracing a whole model
+# into one graph, but it cannot trace through a launcher's Python (Triton's JIT, launch
+# plans): the forward must be one *operator*. ``torch.library.triton_op`` registers
+# ``lessons::flash_forward``, whose body launches lesson 06's kernel through
+# ``wrap_triton``, which the compiler sees into; ``mode="reduce-overhead"`` then
+# replays the compiled graph as a CUDA graph. Forward only: under the compiler a
+# backward needs its kernels registered the same way.
+
+
+def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                   sm_scale: float) -> torch.Tensor:
+    """Lesson 06's forward kernel, with the table's tile for the case."""
+    B, H, N, D = q.shape
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((B * H, N), dtype=torch.float32, device=q.device)
+    case = V2.tuned_case(q, causal)
+    tile = V2.TUNED_CONFIGS.get(("fwd", *case)) if case else None
+    block_m, block_n, warps, stages = tile or (
+        V2.FWD_SHAPES[-1] if kit.ON_GPU else V2.INTERPRETER_CONFIGS["fwd"])
+    torch.library.wrap_triton(V2.attn_fwd_kernel)[(V2.host_cdiv(N, block_m), B * H)](
+        q, k, v, o, lse, sm_scale * V2.LOG2E, H, N, V2.host_next_power_of_2(N),
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(), D=D, CAUSAL=causal,
+        UPCAST_DOT=V2._upcast(q), NEGATIVE_SCALE=sm_scale < 0, BLOCK_M=block_m,
+        BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    return o
+
+
+if not hasattr(torch.ops.lessons, "flash_forward"):  # once, however often loaded
+    torch.library.triton_op("lessons::flash_forward", mutates_args=())(_flash_forward)
+flash_forward = torch.ops.lessons.flash_forward
+
+
+def flash_attention(q, k, v, sm_scale, causal=False):
+    """The operator as a model calls it: what torch.compile traces below."""
+    return flash_forward(q, k, v, causal, sm_scale)
+
+
+def captured(fn, *inputs):
+    """fn(*inputs) recorded in a CUDA graph: (replay, its output). A replay reads
+    whatever the recorded inputs hold then, and overwrites the output."""
+    fn(*inputs)  # compiled before the recording
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(*inputs)
+    return graph.replay, out
+
+
+if __name__ == "__main__" and kit.ON_GPU:
+    B, H, N, D = 4, 32, V2.SIZES[0], 64
+    q, k, v = (torch.randn(B, H, N, D, device=kit.DEVICE, dtype=torch.float16)
+               for _ in range(3))  # fmt: skip
+    scale, sdpa = D**-0.5, torch.nn.functional.scaled_dot_product_attention
+    compiled = torch.compile(flash_attention, fullgraph=True)
+    graphed = torch.compile(flash_attention, fullgraph=True, mode="reduce-overhead")
+    replay, recorded = captured(FWD.attention, q, k, v, False, scale)
+    replay()
+    eager = FWD.attention(q, k, v, False, scale)  # maybe Gluon: equal within rounding
+    for out in (compiled(q, k, v, scale), graphed(q, k, v, scale), recorded):
+        torch.testing.assert_close(out, eager, rtol=2e-3, atol=2e-3)
+    calls = {"plain SDPA": lambda: sdpa(q, k, v, scale=scale),
+             "attention, eager": lambda: FWD.attention(q, k, v, False, scale),
+             "flash_forward, eager": lambda: flash_attention(q, k, v, scale),
+             "flash_forward, torch.compile": lambda: compiled(q, k, v, scale),
+             "... mode='reduce-overhead'": lambda: graphed(q, k, v, scale),
+             "attention, CUDA graph replay": replay}
+    host = interleaved_host_ms(calls)
+    print(f"B={B}, H={H}, N={N}, D={D}, fp16, no grad; compiled and replayed outputs "
+          "match eager attention's. Microseconds per call:")
+    for name, fn in calls.items():
+        kit.warm_up(fn)
+        print(f"{name:30s} host {1e3 * host[name]:6.1f}, back to back "
+              f"{1e3 * kit.back_to_back_ms(fn, 200):6.1f}")
+elif __name__ == "__main__":
+    print("CUDA graphs and torch.compile of a Triton operator need a GPU: the "
+          "tests call lessons::flash_forward here, eagerly, against float64.")
 
 # %%
 # What a program holds: the shared-memory budget
