@@ -620,9 +620,9 @@ kit.rates_table(results, INDEX, "TFLOP/s") if __name__ == "__main__" else None
 # Reading the numbers
 # -------------------
 # Computed from the tables above, in this run: v2 against the fastest PyTorch peer
-# (cuDNN or flash) and against v1, by GPU time, and back to back where that tells
-# another story; then how far the repeated timings spread, the yardstick for which
-# differences mean anything.
+# (cuDNN, flash or FlexAttention) and against v1, by GPU time, and back to back where
+# that tells another story; then how far the repeated timings spread, the yardstick for
+# which differences mean anything.
 
 if __name__ == "__main__":
     peers = [c for c in PEERS if c in table]

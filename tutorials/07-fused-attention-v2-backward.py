@@ -593,11 +593,11 @@ kit.rates_table(results, V2.INDEX, "TFLOP/s") if __name__ == "__main__" else Non
 # Reading the numbers
 # -------------------
 # Computed from the tables above, in this run: v2 against the fastest PyTorch peer
-# (cuDNN or flash) and against v1, by GPU time, and back to back where that tells
-# another story; the two ways of finishing :math:`dQ` against each other; the rate at
-# which the two-pass backward really multiplies matrices (it executes seven products
-# where the FLOP count credits five); and how far the repeated timings spread, the
-# yardstick for which differences mean anything.
+# (cuDNN, flash or FlexAttention) and against v1, by GPU time, and back to back where
+# that tells another story; the two ways of finishing :math:`dQ` against each other; the
+# rate at which the two-pass backward really multiplies matrices (it executes seven
+# products where the FLOP count credits five); and how far the repeated timings spread,
+# the yardstick for which differences mean anything.
 #
 # If matrix products were all that counted, the atomic backward, with five products
 # where the two-pass one has seven, would take 5/7 (0.71x) of its time. The line "atomic

@@ -644,8 +644,9 @@ if __name__ == "__main__" and kit.ON_GPU:
         split = sum(ms for name, ms in ours.items() if "split" in name)
         step = cache_bytes(1, L) / gpu.loc[(1, L), OURS] * 1e-3  # µs, from the GB/s
         each = ", ".join(f"{name} {ms * 1e3:.1f} µs" for name, ms in ours.items())
-        print(f"L = {L}: {each}; split at {copy / split:.0%} of the copy kernel's "
-              f"rate; the step {step:.1f} µs by GPU time")  # fmt: skip
+        outside = step - 1e3 * sum(ours.values())
+        print(f"L = {L}: {each}; split at {copy / split:.0%} of a copy kernel's rate"
+              f"; the step {step:.1f} µs by GPU time, {outside:.1f} outside kernels")
 
 # %%
 # The page size

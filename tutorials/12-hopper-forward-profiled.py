@@ -573,10 +573,11 @@ elif __name__ == "__main__":
 # ----------------------------------------------
 # ``shared_buffers`` computes what the kernel allocates from its constexprs; the chart
 # sets it against the shared memory of the kernel compiled for ``sm_90a`` (lesson 09's
-# ``compile_for_hopper``, no GPU needed), which adds Triton's own bytes: scratch for
-# layout conversions that pass through shared memory (:math:`O` into its store
-# layout, for one) and alignment. An H100 gives a program at most 227 KiB: a third
-# stage of 128-key tiles fits at :math:`D = 64`, not at 128 (exercise 3 goes on).
+# ``compile_for_hopper``, no GPU needed), which adds bytes that Triton allocates on
+# its own (scratch, alignment; the chart shows how many, this page does not take them
+# apart). An H100 gives a program at most 227 KiB: a third stage of 128-key tiles fits
+# at :math:`D = 64`, not at 128 (exercise 3 goes on). The warps and registers printed
+# are lesson 09's: 4 + 4 + 1 working warps padded to three warp groups.
 
 
 def shared_buffers(D, block_n=FWD.WS_BLOCK_N, stages=FWD.WS_STAGES):
