@@ -231,3 +231,16 @@ def test_lesson_13s_diagram_writes_transposes_as_mathtext():
     for text in texts:
         outside_math = re.sub(r"\$[^$]*\$", "", text)
         assert "^" not in outside_math, text
+
+
+def test_against_portable_counts_a_win_only_past_the_timings_spread(capsys):
+    """Lesson 11 said 'faster at 5 of 5 sizes' where one size was 1.001x within 2-3% spreads."""
+    rows = []
+    for N, (ws, portable, spread) in {1024: (444.34, 443.85, 0.029), 2048: (500.0, 450.0, 0.01)}.items():
+        for provider, rate, s in ((WS, ws, spread), (PORTABLE, portable, 0.024), (stepkit.FAST_PEERS[0], 400.0, 0.01)):
+            rows.append(dict(D=64, causal=False, N=N, mode="fwd", provider=provider, value=rate, spread=s,
+                             gpu_value=rate, gpu_spread=s))
+    peers = stepkit.against_portable(pd.DataFrame(rows), 900.0, "lesson 06's kernel")
+    line = capsys.readouterr().out
+    assert peers == [stepkit.FAST_PEERS[0]] and "1.11x to 1.25x the fastest PyTorch peer" in line
+    assert "faster past the timings' spread at 1 of 2 sizes" in line
