@@ -410,8 +410,8 @@ def test_closing_table_gives_ratios_and_microseconds():
     b2b = made_up_table([(1, 4096, 500, 400, 500, 2500)])
     table = L08.closing_table(gpu, b2b, ["SDPA cuDNN", "SDPA flash"])
     row = table.loc[(1, 4096)]
-    assert row["x best SDPA, GPU time"] == "2" and row["x copy, GPU time"] == "0.8"
-    assert row["x best SDPA, back to back"] == "1" and row["x copy, back to back"] == "0.2"
+    assert row["x best SDPA, GPU time"] == "2.00" and row["x copy, GPU time"] == "0.800"  # 3 figures, zeros too
+    assert row["x best SDPA, back to back"] == "1.00" and row["x copy, back to back"] == "0.200"
     microseconds = L08.cache_bytes(1, 4096) / 2000 * 1e-3  # GB/s is bytes per microsecond over 1e3
     assert row["µs per step, GPU time"] == f"{microseconds:,.1f}"
     assert row["µs per step, back to back"] == f"{4 * microseconds:,.1f}"
@@ -569,3 +569,13 @@ def test_append_check_rejects_changing_the_inputs():
 
     with pytest.raises(AssertionError, match="changed its input lengths"):
         L08.check_append_to_pages(advancing)
+
+
+def test_splits_verdict_never_says_100_percent_beside_another_count():
+    import pandas as pd
+
+    curve = pd.DataFrame({4096: [300.0, 1056.0, 1052.0]}, index=[1, 8, 16])
+    line, = L08.splits_verdict(curve, {4096: 16}, on_gpu=True)
+    assert "the rule's 16 splits reach 99.6% of the best measured (splits = 8, 1056 GB/s)" in line
+    tie, = L08.splits_verdict(curve, {4096: 8}, on_gpu=True)
+    assert "the rule's 8 splits reach 100% of the best measured (splits = 8" in tie

@@ -58,7 +58,8 @@ print(kit.describe_platform() + INTERPRETED) if __name__ == "__main__" else None
 # sharing :math:`H_{kv}` key/value heads, a step reads :math:`2 B H_{kv} L D` cached
 # elements for :math:`4 B H_q L D` FLOPs: :math:`H_q / H_{kv}` FLOPs per byte in fp16 or
 # bf16 (4 in the model timed on a GPU: 32 query, 8 key/value heads), where an H100 can
-# do some 300. Decoding is bound by memory; its yardstick is a copy of the same bytes.
+# do some 300. Decoding is bound by memory; its yardstick is a copy of the same bytes
+# (which reads and writes them: a kernel that only reads can pass it).
 # Lesson 06's grid gives each program a block of queries of one head: here,
 # :math:`B H_q` programs each walking a whole cache, at :math:`B = 1` 32 programs for an
 # H100's 132 SMs, most idle, the rest with few loads in flight (measured below).
@@ -476,7 +477,9 @@ def splits_verdict(curve, chosen, on_gpu=kit.ON_GPU):
     lines = []
     for L, rates in curve.items():
         n, best, top = chosen[L], rates.idxmax(), rates.max()
-        lines.append(f"L = {L}: the rule's {n} splits reach {rates[n] / top:.0%} of "
+        share = rates[n] / top  # no "100%" beside another count, unless a tie
+        share = f"{share:.0%}" if n == best or share < 0.995 else f"{share:.1%}"
+        lines.append(f"L = {L}: the rule's {n} splits reach {share} of "
                      f"the best measured (splits = {best}, {top:.4g} GB/s); one split "
                      f"{rates[1] / top:.0%}")  # fmt: skip
         if not on_gpu and best < n and rates[n] < 0.95 * top:
@@ -597,7 +600,7 @@ def closing_table(gpu, b2b, peers):
     for how, table in timings:
         ratios = {best: table[peers].max(axis=1), "copy": table[kit.SAME_BYTES]}
         for name, peer in ratios.items():
-            columns[f"x {name}, {how}"] = (table[OURS] / peer).map("{:.3g}".format)
+            columns[f"x {name}, {how}"] = (table[OURS] / peer).map("{:#.3g}".format)
         columns[f"µs per step, {how}"] = (sizes / table[OURS]).map("{:,.1f}".format)
     return gpu[[]].assign(**columns).rename_axis(columns=None)
 
@@ -694,23 +697,20 @@ by_page.map(kit.shown_rate) if __name__ == "__main__" else None
 # handling, two launches) takes longer than running them: the host sets the pace (on a
 # GPU, the closing table's back-to-back columns). Servers capture a step in a CUDA
 # graph once and replay it per token, lengths in a device tensor updated in place
-# (``validate=False``). At :math:`B = 1`, in pages of 16 keys: capture, step, check,
+# (``validate=False``). At :math:`B = 1`, in pages of 64 keys: capture, step, check,
 # and time the same call both ways, eager (from Python, back to back) and replayed.
 
 if __name__ == "__main__" and kit.ON_GPU:
     for L in (1024, 4096, 16384, 65536):
         q, k, v = random_case(1, L)
-        pools, lengths = paged_copy(k, v, 16), torch.full((1,), L - 1, device=DEVICE)
+        pools, lengths = paged_copy(k, v, 64), torch.full((1,), L - 1, device=DEVICE)
         step = functools.partial(paged_decode_attention, q, *pools, lengths,
                                  validate=False)  # fmt: skip
-        step()  # compiled before the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step()
+        replay, out = kit.captured(step)
         lengths += 1  # the next token
-        graph.replay()
+        replay()
         torch.testing.assert_close(out, step())  # the replay read the new length
-        for name, fn in (("eager", step), ("replayed from the graph", graph.replay)):
+        for name, fn in (("eager", step), ("replayed from the graph", replay)):
             kit.warm_up(fn)
             print(f"L = {L:6d}: {1e3 * kit.back_to_back_ms(fn, 200):.1f} µs per token,"
                   f" {name}")
@@ -774,8 +774,7 @@ def check_window_decode(fn):
 
 
 def check_append_to_pages(fn):
-    """fn(k_pages, v_pages, block_table, lengths, k_new, v_new), in place, against the
-    pools of the caches with the new tokens written in, on fresh shuffled pools."""
+    """fn(k_pages, v_pages, block_table, lengths, k_new, v_new) on fresh pools."""
     gen, names = kit.fresh_generator(), ("block_table", "lengths", "k_new", "v_new")
     for page, dtype in ((16, torch.float16), (32, torch.bfloat16)):
         lengths = torch.tensor([0, page - 1, page, 2 * page + 5], device=DEVICE)[

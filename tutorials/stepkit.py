@@ -300,6 +300,17 @@ def gpu_ms(fn, flush, replays):
     return _median([start.elapsed_time(end) for start, end in events]), "CUDA graph"
 
 
+def captured(fn, *inputs):
+    """fn(*inputs) recorded in a CUDA graph: (replay, its output). A replay reads
+    whatever the recorded inputs hold then, and overwrites the output."""
+    fn(*inputs)  # compiled before the recording
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(*inputs)
+    return graph.replay, out
+
+
 def back_to_back_ms(fn, calls):
     """Wall milliseconds per call of fn, calls enqueued in a row, no sync."""
     torch.cuda.synchronize()
