@@ -602,9 +602,9 @@ if SHOW:
     show_facts("ring_kernel, 2 consumer groups", two_groups, r"setmaxnreg\.\w+")
     moves = partition_registers(two_groups, [_ring_consumer, _ring_producer])
     facts = compiled_facts(two_groups)
-    print(f"{facts['warps']} warps launch for 4 + 4 + 1 that work; setmaxnreg where "
-          f"each partition's code starts: {moves}")
     (consumer,), (producer,) = moves["_ring_consumer"], moves["_ring_producer"]
+    print(f"{facts['warps']} warps launch for 4 + 4 + 1 that work; where each role's "
+          f"code starts, setmaxnreg sets {consumer} (consumers), {producer} (loader)")
     print(f"budget: 128 x ({consumer} + {consumer} + {producer}) = "
           f"{128 * (2 * consumer + producer):,} of 65,536 registers; at launch "
           f"{facts['reqntid']} threads x .maxnreg {facts['maxnreg']} = "
