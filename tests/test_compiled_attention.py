@@ -68,7 +68,7 @@ def test_compiled_and_reduce_overhead_match_eager_bit_for_bit(causal):
 def test_a_recorded_attention_replays_new_inputs():
     generator = stepkit.fresh_generator()
     q, k, v = _inputs(2, 4, 1000, 64, torch.float16, generator)
-    replay, recorded = L12.captured(FWD.attention, q, k, v, True, 0.125)
+    replay, recorded = stepkit.captured(FWD.attention, q, k, v, True, 0.125)
     for _ in range(2):  # new values in the recorded inputs, as a server's next step
         for t, new in zip((q, k, v), _inputs(2, 4, 1000, 64, torch.float16, generator)):
             t.copy_(new)

@@ -102,34 +102,55 @@ def test_the_shared_budget_refuses_a_kernel_smaller_than_its_buffers():
 # -- Figures: each draws on a CPU with a title for its alt text --------------------------------------------------------
 
 
+def _labels(fig):
+    """Every text of fig: in its axes (secondary ones too), their tick labels, and the figure's own."""
+    axes = [a for ax in fig.axes for a in (ax, *ax.child_axes)]
+    texts = [t for ax in axes for t in (*ax.texts, *ax.get_xticklabels(), *ax.get_yticklabels())]
+    return [t.get_text() for t in texts + fig.texts]
+
+
 def test_the_new_diagrams_draw_with_titles():
     import matplotlib.pyplot as plt
     from sphinx_gallery.scrapers import _matplotlib_fig_titles
 
     held = L09.owners(FWD.wgmma_accumulator(64), [64, 64])
     walks = {p: (2 * p, 2 * p + 2, 8) for p in range(4)}
+    limit = L09.H100_SHARED_PER_PROGRAM
     figures = {
         "roles": stepkit.draw_roles(FWD.ring_slot, stages=FWD.WS_STAGES),
-        "registers": stepkit.draw_register_layout({"O, 64 x 64": held}),
+        "registers": stepkit.draw_register_layout("O, 64 x 64", held),
         "shared": stepkit.draw_shared_budget({"D = 64": (98400, L12.shared_buffers(64)),
                                               "not compiled": (None, L12.shared_buffers(128))},
-                                             L09.H100_SHARED_PER_PROGRAM, "an H100's 227 KiB a program"),
+                                             limit, "an H100's limit: 227 KiB a program"),
         "ownership": stepkit.draw_program_ownership(512, BWD.WS_BWD_BLOCK_N, 64, walks),
     }
     for name, fig in figures.items():
         alt = _matplotlib_fig_titles(fig)
         assert len(alt) > 30, (name, alt)
-    texts = [t.get_text() for ax in figures["ownership"].axes for t in ax.texts]
-    assert "dQ += programs 0, 1, 2, 3" in texts and "dK, dV: program 2" in texts
-    texts = [t.get_text() for ax in figures["shared"].axes for t in ax.texts]
-    assert any("98,400 bytes compiled" in t and "Triton's own 16,400" in t for t in texts)
-    assert any("bytes in buffers (not compiled)" in t for t in texts)
+    texts = _labels(figures["ownership"])
+    assert {"dQ += program 0", "dQ += programs 0, 1", "dQ += programs 0, 1, 2, 3", "program 2"} <= set(texts)
+    assert figures["ownership"].axes[0].get_xlim() == (0, 512)  # the head's keys, no wider
+    texts = _labels(figures["shared"])
+    assert {"Triton's own: 16 KiB", "Q: 16 KiB", "96 KiB in all", "160 KiB in buffers\n(not compiled)"} <= set(texts)
+    assert "Too thin to draw: mbarriers 80 bytes" in texts  # 80 bytes: noted, not a label on a sliver
+    assert figures["shared"].axes[0].get_ylim()[1] < 1.2 * limit / 1024  # the axis ends just past the limit
     plt.close("all")
 
 
-def test_the_register_layout_picture_needs_a_tile():
-    with pytest.raises(ValueError, match="at least one tile"):
-        stepkit.draw_register_layout({})
+def test_the_roles_timeline_ticks_time_in_products():
+    import matplotlib.pyplot as plt
+
+    fig = stepkit.draw_roles(FWD.ring_slot, stages=FWD.WS_STAGES, product=2.0)
+    ticks = fig.axes[0].get_xticks()
+    assert ticks[0] == 0 and set(np.diff(ticks)) == {2.0}  # a tick per product
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()][:3] == ["0", "1", "2"]
+    plt.close("all")
+
+
+def test_the_register_layout_picture_refuses_more_registers_than_colours():
+    held = L09.owners(FWD.wgmma_accumulator(FWD.WS_BLOCK_N), [64, FWD.WS_BLOCK_N])
+    with pytest.raises(ValueError, match="register indices"):
+        stepkit.draw_register_layout("S", held, zoom=(16, 64))
 
 
 # -- Lesson 12's exercise 3: a narrower tile, a deeper ring ------------------------------------------------------------

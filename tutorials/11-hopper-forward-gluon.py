@@ -129,20 +129,19 @@ def wgmma_accumulator(columns):
 
 
 # %%
-# Who holds S and O: the kernel's own layouts (``wgmma_accumulator``, which the kernel
-# below calls too), read by lesson 09's ``owners``. A consumer thread holds 64 fp32
-# values of :math:`S` and :math:`D / 2` of :math:`O` (the titles count them), of the
-# 240 registers ``setmaxnreg`` gives it. A row lives in the 4 threads of a quad (T0 to
-# T3 hold row 0): its maximum and sum combine within one warp. Each thread holds pairs
-# of adjacent columns, so a store straight from this layout writes 4 bytes; the kernel
-# converts :math:`O` through shared memory to a layout in which each thread stores 8
-# adjacent values (16 bytes) and a warp whole rows.
+# Who holds S: the kernel's own layout (``wgmma_accumulator``, which the kernel below
+# calls too), read by lesson 09's ``owners``; :math:`O`'s is the same, :math:`D`
+# columns wide. A consumer thread holds 64 fp32 values of :math:`S` (the title counts
+# them) and :math:`D / 2` of :math:`O`, of the 240 registers ``setmaxnreg`` gives it.
+# A row lives in the 4 threads of a quad (T0 to T3 hold row 0; registers 2 and 3 are
+# the same columns 8 rows down): its maximum and sum combine within one warp. Each
+# thread holds pairs of adjacent columns, so a store straight from this layout writes
+# 4 bytes; the kernel converts :math:`O` through shared memory to a layout in which
+# each thread stores 8 adjacent values (16 bytes) and a warp whole rows.
 
 if __name__ == "__main__":
-    kit.draw_register_layout({
-        f"S, 64 x {WS_BLOCK_N}": L09.owners(wgmma_accumulator(WS_BLOCK_N),
-                                              [64, WS_BLOCK_N]),
-        "O at D = 64, 64 x 64": L09.owners(wgmma_accumulator(64), [64, 64])})
+    kit.draw_register_layout(f"S, 64 x {WS_BLOCK_N}", L09.owners(
+        wgmma_accumulator(WS_BLOCK_N), [64, WS_BLOCK_N]))
 
 # %%
 # One program per SM
@@ -564,7 +563,6 @@ def say_which_runs(what, fallback):
 
 
 if __name__ == "__main__":
-    torch.manual_seed(0)
     reason = say_which_runs("forward", "lesson 06's kernel")
     # The table picks lesson 06's kernel (lesson 06 checks it) in some cases: insist.
     checked = functools.partial(attention, warp_specialized=None if reason else True)

@@ -1,6 +1,6 @@
 """
-Hopper: where a short forward's time goes
-=========================================
+Hopper: where a short forward's time goes, and what a program holds
+===================================================================
 
 Lesson 11's benchmark gives every call two times: its GPU time, and its time back to
 back, as a training loop calls it. At the shortest length, where a call is a few tens of
@@ -231,12 +231,16 @@ def who_paced(gpu, b2b, host, spread):
     count as equal: the benchmark retimes only past that."""
     limit = kit.SPREAD_LIMIT
     times = f"back to back {b2b:.0f} us, GPU {gpu:.0f} us, host {host:.0f} us"
+
+    def past(fraction):  # a fraction past the limit: within a point, one more digit
+        return f"{fraction:.0%}" if fraction >= limit + 0.01 else f"{fraction:.1%}"
+
     if spread > limit:
-        return (f"unsettled ({times}): its two fastest timings differ by {spread:.0%}, "
-                f"more than the {limit:.0%} a verdict needs.")
+        return (f"unsettled ({times}): its two fastest timings differ by "
+                f"{past(spread)}, more than the {limit:.0%} a verdict needs.")
     if host > b2b * (1 + limit):
         return (f"inconsistent ({times}): the host time measured alone is "
-                f"{host / b2b - 1:.0%} longer than back to back, yet calls in a row "
+                f"{past(host / b2b - 1)} longer than back to back, yet calls in a row "
                 "end only after the host has enqueued them all. The host ran slower "
                 "when measured alone; these numbers cannot tell what set the pace.")
     if b2b <= gpu * (1 + limit):
@@ -248,8 +252,8 @@ def who_paced(gpu, b2b, host, spread):
                 "back; either can set the pace.")
     if host * (1 + limit) >= b2b:
         return (f"host-bound ({times}): back to back exceeds GPU time by "
-                f"{b2b / gpu - 1:.0%}, and the host time accounts for it.")
-    return (f"back to back exceeds GPU time by {b2b / gpu - 1:.0%} ({times}), and "
+                f"{past(b2b / gpu - 1)}, and the host time accounts for it.")
+    return (f"back to back exceeds GPU time by {past(b2b / gpu - 1)} ({times}), and "
             "neither accounts for it: the GPU idles between the kernels for a reason "
             "these numbers do not show (or the host ran faster when measured alone).")
 
@@ -515,17 +519,6 @@ def flash_attention(q, k, v, sm_scale, causal=False):
     return flash_forward(q, k, v, causal, sm_scale)
 
 
-def captured(fn, *inputs):
-    """fn(*inputs) recorded in a CUDA graph: (replay, its output). A replay reads
-    whatever the recorded inputs hold then, and overwrites the output."""
-    fn(*inputs)  # compiled before the recording
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn(*inputs)
-    return graph.replay, out
-
-
 def host_free_calls(q, k, v, scale):
     """{name: call} of the forward on q, k, v: plain SDPA, ours eager, compiled and
     replayed, each output checked against eager attention first. RuntimeError where
@@ -533,7 +526,7 @@ def host_free_calls(q, k, v, scale):
     sdpa = torch.nn.functional.scaled_dot_product_attention
     compiled = torch.compile(flash_attention, fullgraph=True)
     graphed = torch.compile(flash_attention, fullgraph=True, mode="reduce-overhead")
-    replay, recorded = captured(FWD.attention, q, k, v, False, scale)
+    replay, recorded = kit.captured(FWD.attention, q, k, v, False, scale)
     replay()
     eager = FWD.attention(q, k, v, False, scale)  # maybe Gluon: equal within rounding
     tolerance = kit.TOLERANCE[q.dtype]
@@ -623,10 +616,14 @@ if __name__ == "__main__":
     kit.draw_shared_budget({f"D = {D}": (f and f["shared"], shared_buffers(D))
                             for D, f in facts.items()},
                            FWD.L09.H100_SHARED_PER_PROGRAM,
-                           "an H100's 227 KiB a program")
-    for D, f in facts.items():  # the launch's warps and registers, as lesson 09 reads
-        print(f and f"D = {D}, compiled for sm_90a by Triton {triton.__version__}: "
-              f"{f['warps']} warps (.reqntid {f['reqntid']}), .maxnreg {f['maxnreg']}")
+                           "an H100's limit: 227 KiB a program")
+    for D, f in facts.items():  # the bytes, warps and registers, as lesson 09 reads
+        if f:
+            own = f["shared"] - sum(shared_buffers(D).values())
+            print(f"D = {D}, compiled for sm_90a by Triton {triton.__version__}: "
+                  f"{f['shared']:,} bytes of shared memory ({own:,} Triton's own), "
+                  f"{f['warps']} warps (.reqntid {f['reqntid']}), .maxnreg "
+                  f"{f['maxnreg']}")
 
 
 # %%

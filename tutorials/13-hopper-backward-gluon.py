@@ -493,7 +493,6 @@ def attention(q, k, v, causal, sm_scale, atomic_dq=None, warp_specialized=None):
 # both dtypes, causal and not, and a ragged sequence length.
 
 if __name__ == "__main__":
-    torch.manual_seed(0)
     reason = FWD.say_which_runs("backward", "lessons 06 and 07's kernels")
     # The tables pick lesson 07's kernels at this length in some cases (lesson 07
     # checks them): insist on Gluon.

@@ -2197,9 +2197,15 @@ def draw_roles(ring_slot, blocks=4, stages=2, **durations):
                     va="center", fontsize=7 if kind == "copy" else 8,
                     color="black" if kind == "exp" else "white")
     ax.set_yticks(range(len(bars)), list(reversed(bars)))
-    ax.set(xticks=[], ylim=(-0.5, len(bars) - 0.5), xlabel="time (a model, in units "
-           "of one product)", title=f"Roles in one program, by the ring's rules: "
-           f"{stages} buffers each for K and V")
+    product = durations.get("product", 1.0)  # a tick and a grid line per product
+    end = max(start + length for lane in bars.values() for start, length, *_ in lane)
+    ticks = range(math.ceil(end / product) + 1)
+    ax.set_xticks([t * product for t in ticks], [str(t) for t in ticks])
+    ax.grid(axis="x", color="#dddddd")
+    ax.set_axisbelow(True)
+    ax.set(ylim=(-0.5, len(bars) - 0.5), xlabel="time (a model, in units of one "
+           "product)", title=f"Roles in one program, by the ring's rules: {stages} "
+           "buffers each for K and V")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
     names = ["TMA copy (K2 →0: K_2 into buffer 0)", "tensor cores (wgmma)",
              "exponentials (ordinary cores)"]
@@ -2382,90 +2388,92 @@ def role_timeline(ring_slot, blocks=4, stages=2, copy=0.5, product=1.0, exp=1.0)
     return bars
 
 
-def draw_register_layout(tiles, zoom=(16, 8)):
-    """Which thread holds each element of register tiles: tiles {title: held}, held
-    as lesson 09's owners(layout, shape) gives it (arrays "warp", "lane", "register"
-    of the tile's shape). A panel per tile, coloured by warp; then the first tile's
-    top-left corner of zoom rows and columns, each cell its thread (lane), coloured
-    by register index. Returns the figure."""
+def draw_register_layout(title, held, zoom=(16, 8)):
+    """Which thread holds each element of a register tile: held as lesson 09's
+    owners(layout, shape) gives it (arrays "warp", "lane", "register" of the tile's
+    shape). Above, the tile coloured by warp; below, its top-left corner of zoom rows
+    and columns, each cell its thread (lane), coloured by register index. Returns the
+    figure."""
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.colors import ListedColormap
 
-    if not tiles:
-        raise ValueError("tiles must hold at least one tile")
+    rows, cols = (min(z, n) for z, n in zip(zoom, held["lane"].shape))
+    corner = held["register"][:rows, :cols]
+    shades = ["#8fb4e3", "#f2b872", "#b7d3b0", "#e3a6c6", "#c9b7e0", "#e8de8c"]
+    if corner.max() >= len(shades):
+        raise ValueError(f"the corner holds {corner.max() + 1} register indices, "
+                         f"more than {len(shades)} colours tell apart: zoom in")
     plot_style()
-    first = next(iter(tiles.values()))
-    rows, cols = (min(z, n) for z, n in zip(zoom, first["lane"].shape))
-    fig, axes = plt.subplots(1, len(tiles) + 1, figsize=(3.2 * len(tiles) + 4.6, 5.2),
-                             gridspec_kw=dict(width_ratios=[1] * len(tiles) + [1.4]))
-    for ax, (title, held) in zip(axes, tiles.items()):
-        ax.imshow(held["warp"], cmap="Pastel1", vmin=0, vmax=8, aspect="auto")
-        for w in np.unique(held["warp"]):
-            r, c = np.argwhere(held["warp"] == w).mean(axis=0)
-            ax.text(c, r, f"warp {w}", ha="center", va="center")
-        ax.set(xlabel="column", ylabel="row", title=f"{title}:\n"
-               f"{held['register'].max() + 1} registers per thread")
-    axes[0].add_patch(plt.Rectangle((-0.5, -0.5), cols, rows, fill=False, lw=2))
-    corner = first["register"][:rows, :cols]
-    shades = int(corner.max()) + 1
-    image = axes[-1].imshow(corner, cmap=plt.get_cmap("Pastel2", shades),
-                            vmin=-0.5, vmax=shades - 0.5, aspect="auto")
-    fig.colorbar(image, ax=axes[-1], ticks=range(shades), label="register index")
-    for (r, c), lane in np.ndenumerate(first["lane"][:rows, :cols]):
-        axes[-1].text(c, r, f"T{lane}", ha="center", va="center", fontsize=9)
-    axes[-1].set(xlabel="column", ylabel="row", title="the boxed corner: thread "
-                 "(lane) per cell,\ncolour: register index")
+    fig, (tile, zoomed) = plt.subplots(2, 1, figsize=(7.2, 7.4),
+                                       height_ratios=[1, 2.1])
+    tile.imshow(held["warp"], cmap="Pastel1", vmin=0, vmax=8, aspect="auto")
+    for w in np.unique(held["warp"]):
+        r, c = np.argwhere(held["warp"] == w).mean(axis=0)
+        tile.text(c, r, f"warp {w}", ha="center", va="center", fontsize=12)
+    tile.add_patch(plt.Rectangle((-0.5, -0.5), cols, rows, fill=False, lw=2.5))
+    tile.set(xlabel="column", ylabel="row", title=f"{title}: "
+             f"{held['register'].max() + 1} registers per thread")
+    used = int(corner.max()) + 1
+    image = zoomed.imshow(corner, cmap=ListedColormap(shades[:used]), vmin=-0.5,
+                          vmax=used - 0.5, aspect="auto")
+    fig.colorbar(image, ax=zoomed, ticks=range(used), label="register index")
+    for (r, c), lane in np.ndenumerate(held["lane"][:rows, :cols]):
+        zoomed.text(c, r, f"T{lane}", ha="center", va="center", fontsize=12)
+    zoomed.set(xlabel="column", ylabel="row", title="The boxed corner: each cell's "
+               "thread (lane), coloured by register index")
     fig.tight_layout()
     return fig
 
 
 def draw_shared_budget(programs, limit, limit_name):
-    """Shared memory per program as stacked bars: programs {name: (bytes the compiled
-    program uses, or None where it could not be compiled, {buffer: bytes})}; what
-    the compiled program uses past its buffers is "Triton's own". limit: the bytes
-    one program may have (dashed), limit_name says whose. Returns the figure."""
+    """Shared memory per program as stacked columns: programs {name: (bytes the
+    compiled program uses, or None where it could not be compiled, {buffer: bytes})};
+    what the compiled program uses past its buffers is "Triton's own". limit: the
+    bytes one program may have (dashed), limit_name says whose. Parts under 5% of the
+    limit are too thin to label: a note under the chart gives their bytes. Returns the
+    figure."""
     import matplotlib.pyplot as plt
 
     plot_style()
-    fig, ax = plt.subplots(figsize=(8.5, 1.6 + 0.7 * len(programs)))
-    parts = {}  # part: colour, the same in every bar
-    palette = ["#3b7dd8", "#8fa3bf", "#b7d3b0", "#d9c9a3", "#e0b4b4"]
-    widest = limit
-    for y, (name, (used, buffers)) in enumerate(programs.items()):
+    fig, ax = plt.subplots(figsize=(7, 4.6))
+    palette = ["#8fb4e3", "#b7d3b0", "#d9c9a3", "#e0b4b4", "#c9b7e0"]
+    colours = {"Triton's own": "#d0d0d0"}  # part: colour, the same in every column
+    thin, tallest = {}, limit  # thin: {part: {bytes}} of the parts too thin to label
+    for x, (name, (used, buffers)) in enumerate(programs.items()):
         shown = dict(buffers)
         if used is not None:
             if used < sum(buffers.values()):
                 raise ValueError(f"{name}: the compiled program uses {used:,} bytes, "
                                  f"less than its buffers' {sum(buffers.values()):,}")
             shown["Triton's own"] = used - sum(buffers.values())
-        left = 0
+        bottom = 0
         for part, size in shown.items():
-            special = {"mbarriers": "#d62728", "Triton's own": "#7f7f7f"}
-            colour = parts.setdefault(part, special.get(part) or palette[
-                sum(p not in special for p in parts) % len(palette)])
-            ax.barh(y, size / 1024, left=left / 1024, color=colour, edgecolor="white")
-            if size >= 0.1 * limit:  # wide enough to hold its label
-                ax.text((left + size / 2) / 1024, y, f"{size / 1024:.0f} KiB",
-                        ha="center", va="center", fontsize=8)
-            left += size
-        small = [f"{part} {size:,}" for part, size in shown.items()
-                 if size < 0.1 * limit]
-        total = f"{used:,} bytes compiled" if used is not None else \
-            f"{left:,} bytes in buffers (not compiled)"
-        ax.text(left / 1024 + 2, y, "\n".join([total, ", ".join(small)]).strip(),
-                va="center", fontsize=8)
-        widest = max(widest, left)
-    ax.axvline(limit / 1024, color="black", linestyle="--")
-    ax.set_yticks(range(len(programs)), list(programs))
-    ax.invert_yaxis()
-    ax.set(xlim=(0, max(widest * 1.6, limit * 1.1) / 1024), xlabel=f"KiB of shared "
-           f"memory (dashed: "
-           f"{limit_name})", title="Shared memory per program: buffers, mbarriers "
-           "and Triton's own bytes")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in parts.values()]
-    fig.legend(handles, list(parts), loc="lower center", ncol=len(parts),
-               frameon=False, fontsize=9)
-    fig.tight_layout(rect=(0, 0.12, 1, 1))
+            colour = colours.setdefault(part, palette[(len(colours) - 1) % 5])
+            ax.bar(x, size / 1024, bottom=bottom / 1024, width=0.7, color=colour,
+                   edgecolor="white")
+            if size >= 0.05 * limit:
+                ax.text(x, (bottom + size / 2) / 1024, f"{part}: {size / 1024:.0f} "
+                        "KiB", ha="center", va="center", fontsize=12)
+            else:
+                thin.setdefault(part, set()).add(size)
+            bottom += size
+        what = "in all" if used is not None else "in buffers\n(not compiled)"
+        ax.text(x, bottom / 1024 + 0.01 * limit / 1024, f"{bottom / 1024:.0f} KiB "
+                f"{what}", ha="center", va="bottom", fontsize=12)
+        tallest = max(tallest, bottom)
+    ax.axhline(limit / 1024, color="black", linestyle="--")
+    ax.text(-0.45, 1.01 * limit / 1024, limit_name, va="bottom", fontsize=12)
+    ax.set_xticks(range(len(programs)), list(programs), fontsize=12)
+    ax.set(xlim=(-0.5, len(programs) - 0.5), ylim=(0, 1.15 * tallest / 1024),
+           ylabel="KiB of shared memory")
+    ax.set_title("Shared memory a program holds, against its limit", fontsize=12)
+    if thin:
+        note = "; ".join(f"{part} {' or '.join(f'{s:,}' for s in sorted(sizes))} bytes"
+                         for part, sizes in thin.items())
+        fig.text(0.5, 0.01, f"Too thin to draw: {note}", ha="center", va="bottom",
+                 fontsize=11)
+    fig.tight_layout(rect=(0, 0.05 if thin else 0, 1, 1))
     return fig
 
 
@@ -2473,33 +2481,42 @@ def draw_program_ownership(n, block_n, block_m, walks):
     """Lesson 13's backward over one head of n keys and queries: one program per key
     block of block_n keys; walks {program: (first, unmasked_from, last)}, the query
     blocks of block_m rows it walks (masked before unmasked_from). Each program
-    writes its keys' rows of dK and dV alone; a query block's rows of dQ are summed
-    over the programs that walk it. Returns the figure."""
+    writes its keys' rows of dK and dV alone (named above the columns); a query
+    block's rows of dQ are summed over the programs that walk it (named at the right,
+    once per run of blocks with the same programs). Returns the figure."""
+    import itertools
+
     import matplotlib.pyplot as plt
 
     plot_style()
-    fig, ax = plt.subplots(figsize=(8.5, 5.2))
+    fig, ax = plt.subplots(figsize=(7.5, 6))
     colours = ["#3b7dd8", "#e4a23c", "#2ca02c", "#9467bd", "#8c564b", "#17becf"]
     adders = {}  # query block: programs that add into its rows of dQ
     for p, (first, unmasked_from, last) in walks.items():
-        colour = colours[p % len(colours)]
         for j in range(first, last):
             ax.add_patch(plt.Rectangle(
-                (p * block_n, j * block_m), block_n, block_m, facecolor=colour,
-                edgecolor="white", alpha=0.85, hatch="//" if j < unmasked_from
-                else None))
+                (p * block_n, j * block_m), block_n, block_m, edgecolor="white",
+                facecolor=colours[p % len(colours)], alpha=0.85,
+                hatch="//" if j < unmasked_from else None))
             adders.setdefault(j, []).append(p)
-        ax.add_patch(plt.Rectangle((p * block_n, n + 0.04 * n), block_n, 0.07 * n,
-                                   facecolor=colour, edgecolor="white"))
-        ax.text((p + 0.5) * block_n, n + 0.075 * n, f"dK, dV: program {p}",
-                ha="center", va="center", fontsize=8, color="white")
-    for j, programs in sorted(adders.items()):
-        ax.text(n + 0.03 * n, (j + 0.5) * block_m, "dQ += programs "
-                + ", ".join(map(str, programs)), va="center", fontsize=8)
-    ax.set(xlim=(0, 1.45 * n), ylim=(1.14 * n, 0), xlabel="keys (a program each "
-           f"{block_n})", ylabel=f"queries (blocks of {block_m})", title="What each "
-           "program of the backward owns: one head, causal (hatched: masked)")
+    ax.set(xlim=(0, n), ylim=(n, 0), xlabel=f"keys (a program each {block_n})",
+           ylabel=f"queries (blocks of {block_m})")
     ax.set_xticks(range(0, n + 1, block_n))
     ax.set_yticks(range(0, n + 1, block_m))
+    owners = ax.secondary_xaxis("top")
+    owners.set_xticks([(p + 0.5) * block_n for p in walks],
+                      [f"program {p}" for p in walks])
+    for p, label in zip(walks, owners.get_xticklabels()):
+        label.set_color(colours[p % len(colours)])
+    owners.set_xlabel("dK, dV: each program writes its own keys' rows")
+    runs = [(programs, [j for j, _ in run]) for programs, run in
+            itertools.groupby(sorted(adders.items()), key=lambda item: item[1])]
+    summed = ax.secondary_yaxis("right")
+    summed.set_yticks(
+        [(run[0] + run[-1] + 1) / 2 * block_m for _, run in runs],
+        [f"dQ += program{'s' * (len(p) > 1)} {', '.join(map(str, p))}"
+         for p, _ in runs])
+    ax.set_title("What each backward program owns (one head, causal; hatched: "
+                 "masked)")
     fig.tight_layout()
     return fig
