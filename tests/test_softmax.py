@@ -836,6 +836,9 @@ def test_lesson_03_says_where_each_dtype_runs_further_from_the_copy():
     assert "Further from it in bf16 at: N = 131072; in fp32 at: N = 262144." in line
     even = pd.Series({("float32", 131072): 2800.0, ("bfloat16", 131072): 2800.0}).rename_axis(["dtype", "N"])
     assert "in bf16 at: none; in fp32 at: none." in LESSON_03.by_dtype(even, 2945.0)
+    slower = pd.Series({("float32", 65536): 2900.0, ("float32", 131072): 2832.0,
+                        ("bfloat16", 65536): 2700.0, ("bfloat16", 131072): 2669.0}).rename_axis(["dtype", "N"])
+    assert "Further from it in bf16 at: every length; in fp32 at: none." in LESSON_03.by_dtype(slower, 2945.0)
 
 
 def _rates(rows):

@@ -259,3 +259,17 @@ def test_same_bytes_copy_copies_into_a_buffer_of_its_own():
     out = copy(x)
     assert torch.equal(out, x) and out.data_ptr() != x.data_ptr()
     assert copy(x).data_ptr() == out.data_ptr()  # the same buffer every call: timed alone
+
+
+def test_spread_summary_names_the_whole_case_of_its_largest_spreads():
+    import pandas as pd
+
+    rows = pd.DataFrame([
+        dict(D=64, causal=False, mode="fwd", N=1024, provider="ours", value=1.0, spread=0.02, gpu_value=1.0,
+             gpu_spread=0.01),
+        dict(D=128, causal=True, mode="fwd", N=4096, provider="ours", value=1.0, spread=0.30, gpu_value=1.0,
+             gpu_spread=0.12)])
+    line = kit.spread_summary(rows)
+    assert "the largest 12% (ours, D=128, causal=True, mode=fwd, N=4096)" in line
+    assert "back to back the largest is 30% (ours, D=128, causal=True, mode=fwd, N=4096)" in line
+    assert "1 of 2 timings by GPU time spread past 10%" in line

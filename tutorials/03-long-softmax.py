@@ -668,11 +668,11 @@ if __name__ == "__main__":
 
 
 def by_dtype(speed, copy_gbs):
-    """Split-row speed (GB/s by dtype, N) as a share of the copy bandwidth, by dtype,
-    and the lengths where each dtype is further from it than the other."""
+    """Split-row speed (by dtype, N) over the copy's; where each dtype is further."""
     s = (speed / copy_gbs).unstack("dtype")
-    bf16, fp32 = (", ".join(f"N = {n}" for n in s.index[s[a] < s[b]]) or "none"
-                  for a, b in (("bfloat16", "float32"), ("float32", "bfloat16")))
+    bf16, fp32 = (("every length" if (s[a] < s[b]).all() else ", ".join(
+        f"N = {n}" for n in s.index[s[a] < s[b]]) or "none")
+        for a, b in (("bfloat16", "float32"), ("float32", "bfloat16")))  # fmt: skip
     return ("Split row, share of the copy bandwidth in fp32 and bf16: " + ", ".join(
         f"N = {n}: {r['float32']:.0%} and {r['bfloat16']:.0%}" for n, r in s.iterrows())
         + f". Further from it in bf16 at: {bf16}; in fp32 at: {fp32}.")

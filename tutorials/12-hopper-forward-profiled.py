@@ -279,7 +279,7 @@ def pacing_rows(results, B, H, N, D, causal, mode, calls, provider_of=PROVIDER_O
               "host, no plans": 1e3 * host[name, "planless"] if name in ours else None,
               **{c: 1e3 * benchmark_ms(results, provider, B, H, N, D, causal, mode, v)
                  for c, v in (("GPU", "gpu_value"), ("back to back", "value"))}}
-        label = f"D={D:3d} {'causal    ' if causal else 'non-causal'} {name}"
+        label = f"D={D:<3d} {'causal    ' if causal else 'non-causal'} {name}"
         verdict = who_paced(us["GPU"], us["back to back"], us["host"], spread)
         print(f"{label}: {verdict}")
         rows.append({"D": D, "causal": causal, "call": name,

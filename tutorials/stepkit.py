@@ -1681,7 +1681,7 @@ def peer_lines(table, b2b, peak, ours, peers, versus=None, name="ours"):
     ):
         ratio = part[ours] / part[list(peers)].max(axis=1)
         line = (
-            f"D={D:3d} {'causal    ' if causal else 'non-causal'} {mode}: {name} is "
+            f"D={D:<3d} {'causal    ' if causal else 'non-causal'} {mode}: {name} is "
             f"{ratio.min():.2f}x to {ratio.max():.2f}x the fastest PyTorch peer, "
             f"up to {part[ours].max() / peak:.0%} of the matmul rate"
         )
@@ -1698,9 +1698,9 @@ def spread_summary(results):
     how far apart its two fastest timings were)."""
     column = "gpu_spread" if "gpu_spread" in results else "spread"
 
-    def where(row):
-        mode = f"{row['mode']} " if row.get("mode") else ""
-        return f"{row['provider']}, {mode}N={row['N']}"
+    def where(row):  # the provider and every case column the rows have
+        case = [f"{k}={row[k]}" for k in ("D", "causal", "dtype", "mode") if k in row]
+        return ", ".join([row["provider"], *case, f"N={row['N']}"])
 
     worst = results.loc[results[column].idxmax()]
     worst_b2b = results.loc[results["spread"].idxmax()]
@@ -1778,7 +1778,7 @@ def against_portable(results, peak, portable_name):
     for (D, causal), part in gpu.groupby(level=["D", "causal"], sort=False):
         ratio = part[ours] / part[peers].max(axis=1)
         line = (
-            f"D={D:3d} {'causal    ' if causal else 'non-causal'}: "
+            f"D={D:<3d} {'causal    ' if causal else 'non-causal'}: "
             f"{'Gluon' if ours == GLUON_WS else portable_name} is {ratio.min():.2f}x "
             f"to {below_one(ratio.max())} the fastest PyTorch peer"
         )
