@@ -1,8 +1,11 @@
 """Lessons 11 and 13 as a course: the roles' timeline follows the ring's rules, the register layout drawn is the
 kernel's own, the shared-memory budget computed from the constexprs agrees with the kernel compiled for sm_90a (on a
-CPU too, where a fresh Python compiles it), the backward's ownership picture, and lesson 12's exercise 3 check, which
-accepts the right depths and rejects realistic wrong ones. The solution lives here, not on the page."""
+CPU too, where a fresh Python compiles it), the backward's ownership picture, the backward's exchange of dS^T (the
+model is the kernel's order, no interleaving of the two groups breaks it, and its timeline keeps the barriers' rules),
+and lesson 12's exercise 3 check, which accepts the right depths and rejects realistic wrong ones. The solution lives
+here, not on the page."""
 
+import inspect
 import re
 
 import matplotlib
@@ -151,6 +154,192 @@ def test_the_register_layout_picture_refuses_more_registers_than_colours():
     held = L09.owners(FWD.wgmma_accumulator(FWD.WS_BLOCK_N), [64, FWD.WS_BLOCK_N])
     with pytest.raises(ValueError, match="register indices"):
         stepkit.draw_register_layout("S", held, zoom=(16, 64))
+
+
+# -- The backward's exchange of dS^T: lesson 13's ds_exchange, the kernel's order -------------------------------------
+
+
+def _kernel_exchange(i, group):
+    """The steps of _ws_bwd_step from its wait on ds_free to its arrival on it, read from the kernel's source in
+    ds_exchange's terms, for query block i of consumer group `group`."""
+    source = inspect.getsource(BWD._ws_bwd_step.fn)
+    start = source.index("mbarrier.wait(ds_free")
+    body = source[start:source.index("\n", source.index("mbarrier.arrive(ds_free", start))]
+    assert "fence_async_shared()\n    _group_barrier()" in body  # the stores reach the tensor cores' proxy first
+    steps, loop = [], None
+    for line in body.splitlines():
+        code = line.split("#")[0].strip()
+        if wait := re.fullmatch(r"mbarrier\.wait\((ds_\w+), (.+)\)", code):
+            steps.append(("wait", wait[1], eval(wait[2], {"__builtins__": {}}, {"i": i})))
+        elif arrive := re.fullmatch(r"mbarrier\.arrive\((ds_\w+), count=1\)", code):
+            steps.append(("arrive", arrive[1], None))
+        elif code == "ds_smem.index(GROUP).store(dst)":
+            steps.append(("store", group, None))
+        elif code == "_group_barrier()":
+            steps.append(("sync", "group", None))
+        elif over := re.fullmatch(r"for g in gl\.static_range\((\d+)\):", code):
+            loop = tuple(range(int(over[1])))
+        elif code.startswith("dq = warpgroup_mma(ds_smem.index(g)"):
+            steps.append(("read", loop, None))
+    return steps
+
+
+def _arrivals(barrier):
+    """The arrivals a phase of `barrier` takes, as attn_bwd_ws_kernel initializes it."""
+    return int(re.search(rf"mbarrier\.init\({barrier}, count=(\d+)\)", inspect.getsource(BWD.attn_bwd_ws_kernel.fn))[1])
+
+
+def _exchange_hazard(exchange, blocks=3):
+    """Every interleaving of the two groups running exchange(i, group) for `blocks` query blocks, one step at a time,
+    by an mbarrier's rules (a phase completes at the kernel's count of arrivals; a wait for parity p passes while the
+    completed phases number p + 1 modulo 2): the first hazard met, or None. Hazards: a deadlock, a read of a slot that
+    holds another block, a store into a slot while the other group's product reads it (from its "read" step to its
+    next step)."""
+    steps = [[(i, *step) for i in range(blocks) for step in exchange(i, g)] for g in (0, 1)]
+    count = {"ds_ready": _arrivals("ds_ready"), "ds_free": _arrivals("ds_free")}
+    todo, seen = [((0, 0), (("ds_free", 0, 0), ("ds_ready", 0, 0)), (None, None), (None, None))], set()
+    while todo:
+        state = todo.pop()
+        if state in seen:
+            continue
+        seen.add(state)
+        at, barriers, slots, reading = state
+        if all(at[g] == len(steps[g]) for g in (0, 1)):
+            continue
+        moved = False
+        for g in (g for g in (0, 1) if at[g] < len(steps[g])):
+            i, action, what, parity = steps[g][at[g]]
+            phases = {name: [done, waiting] for name, done, waiting in barriers}
+            held, busy = list(slots), list(reading)
+            busy[g] = None  # the group goes on: a product it started has finished
+            if action == "wait" and phases[what][0] % 2 == parity:
+                continue  # blocked: the last phase of that parity has not completed
+            if action == "arrive":
+                phases[what][1] += 1
+                if phases[what][1] == count[what]:
+                    phases[what] = [phases[what][0] + 1, 0]
+            elif action == "store":
+                if any(read and what in read[1] for read in busy):
+                    return f"group {g} stores block {i} into slot {what} while the other group's product reads it"
+                held[what] = i
+            elif action == "read":
+                for slot in what:
+                    if held[slot] != i:
+                        return f"group {g} reads slot {slot} for block {i} while it holds block {held[slot]}"
+                busy[g] = (i, what)
+            moved = True
+            todo.append(((*at[:g], at[g] + 1, *at[g + 1:]), tuple((n, *phases[n]) for n in sorted(phases)),
+                         tuple(held), tuple(busy)))
+        if not moved:
+            return f"deadlock: the groups wait at {[steps[g][at[g]] for g in (0, 1) if at[g] < len(steps[g])]}"
+    return None
+
+
+def test_the_exchange_model_is_the_kernels_order():
+    for i in range(4):
+        for group in (0, 1):
+            assert BWD.ds_exchange(i, group) == _kernel_exchange(i, group), (i, group)
+    assert _arrivals("ds_ready") == _arrivals("ds_free") == 2  # one from each consumer group
+
+
+def test_no_interleaving_of_the_two_groups_breaks_the_exchange():
+    assert _exchange_hazard(BWD.ds_exchange, blocks=4) is None
+
+
+def _without(action, barrier):
+    return lambda i, g: [s for s in BWD.ds_exchange(i, g) if s[:2] != (action, barrier)]
+
+
+def _flipped(barrier):
+    return lambda i, g: [(a, w, p ^ 1) if (a, w) == ("wait", barrier) else (a, w, p)
+                         for a, w, p in BWD.ds_exchange(i, g)]
+
+
+def _moved(step, before):
+    """ds_exchange with its step `step` (an action) moved just before the first step whose action is `before`."""
+    def exchange(i, g):
+        steps = BWD.ds_exchange(i, g)
+        moving = next(s for s in steps if s[0] == step[0] and s[1] == step[1])
+        steps.remove(moving)
+        steps.insert(next(k for k, s in enumerate(steps) if s[0] == before), moving)
+        return steps
+    return exchange
+
+
+OVERWRITTEN = "stores block 1 into slot . while the other group's product reads it|for block 0 while it holds block 1"
+
+
+@pytest.mark.parametrize("exchange, hazard", [
+    (_without("wait", "ds_free"), OVERWRITTEN),  # block 1's half lands on block 0's, before or under its read
+    (_without("wait", "ds_ready"), "reads slot . for block 0 while it holds block None"),
+    (_flipped("ds_free"), "deadlock"),  # block 0 waits for a phase that only block 0 completes
+    (_flipped("ds_ready"), "reads slot . for block 0"),  # a fresh barrier passes parity 1 at once
+    (_moved(("arrive", "ds_free"), "read"), OVERWRITTEN),  # released before it is read
+    (_moved(("arrive", "ds_ready"), "store"), "reads slot . for block 0"),  # announced before storing
+])
+def test_the_exchange_breaks_without_each_rule(exchange, hazard):
+    """The checker above has teeth: each barrier, its parity and its place is needed."""
+    assert re.search(hazard, _exchange_hazard(exchange) or "no hazard")
+
+
+@pytest.mark.parametrize("durations", [{}, {"make": 0.2, "product": 3.0}, {"store": 2.0, "rest": 0.1}])
+def test_the_exchange_timeline_keeps_the_barriers_rules(durations):
+    blocks = 3
+    bars, phases = stepkit.exchange_timeline(BWD.ds_exchange, blocks, **durations)
+    for name, done in phases.items():
+        assert [p for _, p in done] == [i % 2 for i in range(blocks)], name  # a phase per block, parities alternating
+    ready, free = ([t for t, _ in phases[name]] for name in ("ds_ready", "ds_free"))
+    stores = {(g, i): start for g in (0, 1) for i, (start, n, _, kind) in
+              enumerate(b for b in bars[f"group {g}"] if b[3] == "store")}
+    reads = sorted((start, start + n, g, label) for g in (0, 1) for start, n, label, kind in bars[f"group {g}"]
+                   if kind == "read")
+    assert all(a[1] <= b[0] + 1e-9 for a, b in zip(reads, reads[1:]))  # the tensor cores: one product at a time
+    for start, end, g, label in reads:
+        i = int(label.removeprefix("dQ"))
+        assert start >= ready[i] >= max(stores[0, i], stores[1, i])  # both halves stored, then read
+        assert end <= free[i]  # freed only once both products have read
+        if i + 1 < blocks:
+            assert min(stores[0, i + 1], stores[1, i + 1]) >= free[i]  # refilled only once freed
+    for g in (0, 1):
+        for start, n, label, kind in bars[f"group {g}"]:
+            if kind == "wait":
+                barrier, parity = label.split(":")
+                done = [t for t, p in phases[f"ds_{barrier}"] if p == int(parity)]
+                assert n == 0 or any(abs(start + n - t) < 1e-9 for t in done)  # a wait ends as its phase completes
+    for slot in (0, 1):  # a slot holds a block from its store to the end of the last read of it
+        held = bars[f"slot {slot}"]
+        assert [round(start, 9) for start, *_ in held] == [round(stores[slot, i], 9) for i in range(blocks)]
+        assert all(a[0] + a[1] <= b[0] + 1e-9 for a, b in zip(held, held[1:]))
+
+
+@pytest.mark.parametrize("exchange, durations, error", [
+    (_flipped("ds_free"), {}, "deadlock"),
+    (_flipped("ds_ready"), {}, "deadlock"),  # group 1 completes the phase group 0 passed early, then waits for it
+    (_without("wait", "ds_free"), {"make": 0.2, "product": 3.0}, "group 0 overwrites slot 0 while block 0 is read"),
+    (lambda i, g: [("swap", g, None)], {}, "unknown action 'swap'"),
+])
+def test_the_exchange_timeline_refuses_a_broken_exchange(exchange, durations, error):
+    with pytest.raises(ValueError, match=error):
+        stepkit.exchange_timeline(exchange, blocks=3, **durations)
+    with pytest.raises(ValueError, match="at least 1"):
+        stepkit.exchange_timeline(BWD.ds_exchange, blocks=0)
+
+
+def test_the_exchange_figure_draws_large_for_a_phone():
+    import matplotlib.pyplot as plt
+    from sphinx_gallery.scrapers import _matplotlib_fig_titles
+
+    fig = stepkit.draw_exchange(BWD.ds_exchange, half=BWD.WS_BWD_BLOCK_N // 2)
+    assert len(_matplotlib_fig_titles(fig)) > 30
+    texts = _labels(fig)
+    assert {"ready 0", "free 0", "ready 1", "free 1", "group 0\nkeys 0-63", "group 1\nkeys 64-127", "slot 0",
+            "dQ0", "dQ1", "$dS^T_1$"} <= set(texts)
+    legend = [t for legend in fig.legends for t in legend.get_texts()]
+    axes = [a for ax in fig.axes for a in (ax, *ax.child_axes)]
+    shown = [t for ax in axes for t in (*ax.texts, *ax.get_xticklabels(), *ax.get_yticklabels(), ax.title)]
+    sizes = [t.get_fontsize() for t in shown + legend if t.get_text()]
+    assert min(sizes) >= 16  # at 0.45 of a 9-inch figure, still about 7 pixels a letter
+    plt.close("all")
 
 
 # -- Lesson 12's exercise 3: a narrower tile, a deeper ring ------------------------------------------------------------

@@ -42,20 +42,16 @@ PROFILE = kit.load_lesson("12-hopper-forward-profiled")
 # 64`: below) of :math:`Q` and :math:`dO`, with their rows' :math:`\mathrm{LSE}_2` and
 # :math:`\Delta`, through a ring of shared-memory buffers. Per query block, each group:
 #
-# 1. issues :math:`S^T = K Q^T` and :math:`dP^T = V\,dO^T` for its keys (64 keys by the
-#    block's queries each);
+# 1. issues :math:`S^T = K Q^T` and :math:`dP^T = V\,dO^T` (its 64 keys by the queries);
 # 2. makes :math:`P^T` and :math:`dS^T = P^T \circ (dP^T - \Delta)`, and starts
 #    :math:`dV \mathrel{+}= P^T dO` with :math:`P^T` from registers (``wgmma``'s left
 #    operand may be in registers, lesson 09: hence :math:`S^T`, not :math:`S`);
-# 3. writes its :math:`dS^T` to shared memory and waits for the other group's. Each
-#    query's :math:`dQ` row needs :math:`dS` for all 128 keys of the program, so each
-#    group multiplies :math:`dS\,K` for *half of the columns* of :math:`dQ` (64 of 128
-#    at :math:`D = 128`) over both groups' keys: one addition per element per program,
-#    not two;
-# 4. starts :math:`dK \mathrel{+}= dS^T Q` last, and while it runs, sends its :math:`dQ`
-#    columns out: registers to shared memory, then a *TMA reduction*
-#    (``cp.reduce.async.bulk``) adds the whole fp32 tile into global memory in bulk, in
-#    the L2 cache, while the warps go on.
+# 3. trades :math:`dS^T` with the other group (drawn after the kernel) and multiplies
+#    :math:`dS\,K` for *half of the columns* of :math:`dQ` (64 of 128 at :math:`D =
+#    128`) over both groups' keys: one addition per element per program, not two;
+# 4. starts :math:`dK \mathrel{+}= dS^T Q` last and, while it runs, sends its :math:`dQ`
+#    columns out: to shared memory, then a *TMA reduction* (``cp.reduce.async.bulk``)
+#    adds the fp32 tile into global memory in bulk, in the L2 cache.
 #
 # The picture: what each group holds and multiplies for one query block at :math:`D =
 # 128`; dashed lines in :math:`dQ` mark the 32-column boxes its TMA reductions send.
@@ -66,44 +62,37 @@ if __name__ == "__main__":
 # %%
 # What decides its speed
 # ----------------------
-# Seven details, each found by measuring (the engineering notes keep the numbers):
+# Six details, each found by measuring (the engineering notes keep the numbers):
 #
 # * **Bulk reductions, not element atomics.** One atomic addition per element of
 #   :math:`dQ` (``red.global.add.f32``) keeps the L2 cache busy with tiny transactions;
-#   a TMA reduction sends a whole tile. Triton 3.6's Gluon can emit it but has no
-#   Python name for it yet (later: ``tma.async_atomic_add``), so the lesson defines the
-#   builtin itself, as lesson 11 bridges ``async_load``'s two names.
-# * **A bank-conflict-free staging tile.** TMA reads the fp32 tile from shared memory in
-#   the *swizzled* layout of ``NVMMASharedLayout`` (rows' 16-byte pieces permuted, so a
-#   column's values fall in different banks), whose rows hold at most 128 bytes, 32
-#   fp32 values: :math:`dQ`'s 64 columns go out as two 32-column boxes. Unswizzled,
-#   the eight rows one warp writes would fall in the same banks, an 8-way conflict.
+#   a TMA reduction sends a whole tile. Triton 3.6's Gluon has no Python name for it
+#   (later: ``tma.async_atomic_add``): the lesson defines the builtin itself.
+# * **A bank-conflict-free staging tile.** TMA reads the fp32 tile in the *swizzled*
+#   layout of ``NVMMASharedLayout`` (rows' 16-byte pieces permuted: a column's values
+#   fall in different banks; unswizzled, the 8 rows a warp writes would conflict 8-way),
+#   whose rows hold at most 128 bytes: :math:`dQ`'s 64 columns go as two boxes of 32.
 # * **Registers.** A consumer thread holds :math:`dK` and :math:`dV` for 64 keys (128
 #   registers at :math:`D = 128`), :math:`S^T` and :math:`dP^T` (64 more), and its
 #   :math:`dQ` columns (32), of the 240 that ``setmaxnreg`` gives it; the rest spills
-#   to local memory. Four changes cut the spills: the loader also brings each block's
-#   :math:`\mathrm{LSE}_2` and :math:`\Delta` into shared memory by TMA (no pointers,
-#   masks or index vectors in the consumers); :math:`P^T` is kept in 16 bits once
-#   :math:`dS^T` is made; the causal mask's index vectors are made where used; and one
-#   loop handles masked and unmasked query blocks, the mask behind a branch, so that
-#   the compiler plans registers for one loop body, not two.
+#   to local memory. Four changes cut the spills: the loader brings each block's
+#   :math:`\mathrm{LSE}_2` and :math:`\Delta` by TMA too (no pointers, masks or index
+#   vectors in the consumers); :math:`P^T` is kept in 16 bits once :math:`dS^T` is made;
+#   the causal mask's index vectors are made where used; one loop, the mask behind a
+#   branch, serves all query blocks: the compiler plans registers for one loop body.
 # * **Query blocks as large as the registers allow.** At :math:`D = 64`, :math:`dK`,
 #   :math:`dV` take half the registers, leaving room for 128-query :math:`S^T`,
 #   :math:`dP^T`: each exchange and reduction then serves twice the products.
-# * **Overlap.** :math:`dK`'s product is issued after :math:`dQ`'s, so the wait for
-#   :math:`dQ` leaves it running while the tile is stored and sent.
-# * **Exponentials under a product.** ``warpgroup_mma_wait(1)`` waits for :math:`S^T`
-#   alone (products finish in order), so :math:`P^T`'s exponentials run while
-#   :math:`dP^T` is multiplied.
+# * **Overlap.** :math:`dK`'s product, issued after :math:`dQ`'s, runs while the tile is
+#   stored and sent; ``warpgroup_mma_wait(1)`` waits for :math:`S^T` alone (products
+#   finish in order): :math:`P^T`'s exponentials run under :math:`dP^T`'s product.
 # * **Wide stores, where they pay.** ``wgmma`` leaves each thread pairs of adjacent
-#   values of :math:`dK` and :math:`dV` (4-byte stores); without the causal mask they
-#   are first rearranged into lesson 11's store layout (16-byte stores), with it stored
-#   as they are (the engineering notes have the measurements that chose each).
+#   values of :math:`dK` and :math:`dV` (4-byte stores); without the causal mask they go
+#   through lesson 11's 16-byte store layout, with it as they are (measured both ways).
 #
 # Past the end of the sequence TMA loads fill zeros and reductions skip the rows: no
-# query block needs a bounds mask. :math:`dQ` is summed in fp32 in varying order, so its
-# last bits can vary between runs; ``atomic_dq=False`` asks for lesson 07's two-pass
-# backward: the same bits.
+# bounds masks. :math:`dQ` is summed in fp32 in varying order, so its last bits vary
+# between runs; ``atomic_dq=False`` asks for lesson 07's two-pass backward: same bits.
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -118,8 +107,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 _tma_load, _ws_barrier_ring = FWD._tma_load, FWD._ws_barrier_ring
 
 WS_BWD_BLOCK_N, WS_BWD_STAGES = 128, 2
-# Queries per block, by head dimension: at D = 64 the registers hold 128-query tiles of
-# S^T and dP^T.
+# Queries per block by head dimension: at D = 64 the registers hold 128-query S^T, dP^T.
 WS_BWD_BLOCK_M = {64: 128, 128: 64}
 _WS_ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
                                       rank=2)
@@ -178,8 +166,7 @@ def _ws_bwd_step(j, i, dk, dv, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_
                  GROUP: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
                  t_layout: gl.constexpr, a_layout: gl.constexpr,
                  q_layout: gl.constexpr):
-    """Query block j, the i-th of this program: dV, dK for this group's keys, and its
-    columns of dQ."""
+    """Query block j, the i-th of the program: dV, dK of the group's keys, its dQ."""
     ROWS: gl.constexpr = k_smem.shape[-2]
     D: gl.constexpr = k_smem.shape[-1]
     BLOCK_M: gl.constexpr = q_smem.shape[-2]
@@ -206,8 +193,7 @@ def _ws_bwd_step(j, i, dk, dv, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_
     dst = (pt * (dpt - delta_smem.index(stage).load(t_layout))).to(qs.dtype)
     pt_op = gl.convert_layout(pt.to(qs.dtype), a_layout)
     dv = warpgroup_mma(pt_op, dos, dv, is_async=True)
-    # Share dS^T: the other group's is needed for this group's columns of dQ, and vice
-    # versa.
+    # Trade dS^T with the other group: the steps of ds_exchange (after the kernel).
     mbarrier.wait(ds_free, (i & 1) ^ 1)  # both groups are done with the last block's
     ds_smem.index(GROUP).store(dst)
     fence_async_shared()
@@ -276,8 +262,7 @@ def _ws_bwd_consumer(GROUP: gl.constexpr, k_smem, v_smem, q_smem, do_smem, lse_s
     if CAUSAL:
         out_layout: gl.constexpr = g_layout
     else:
-        # Without the mask, dK and dV leave through the forward's 16-byte store layout
-        # (lesson 11); with it, the rearrangement did not pay.
+        # Unmasked, dK, dV leave by lesson 11's 16-byte store layout (masked: no gain).
         out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8],
                                                     [4, 1], [1, 0])
         dk = gl.convert_layout(dk, out_layout)
@@ -355,9 +340,8 @@ def attn_bwd_ws_kernel(desc_q, desc_k, desc_v, desc_do, desc_lse, desc_delta, de
 
 
 def _ws_row_descriptor(x, block_m):
-    """(1, block_m) boxes of a (B*H, N) fp32 tensor. TMA needs the row stride in
-    multiples of 16 bytes, so rows whose length is not a multiple of 4 are copied into
-    a wider buffer first."""
+    """(1, block_m) boxes of a (B*H, N) fp32 tensor. TMA needs 16-byte row strides:
+    rows of a length not a multiple of 4 are copied into a wider buffer first."""
     rows, n = x.shape
     if n % 4:
         wider = torch.zeros((rows, n + 4 - n % 4), dtype=x.dtype, device=x.device)
@@ -367,13 +351,10 @@ def _ws_row_descriptor(x, block_m):
 
 
 def _ws_backward(q, k, v, do, lse, delta, causal, sm_scale):
-    """dQ, dK, dV from the warp-specialized kernel; dQ is summed in fp32 by TMA
-    reductions."""
+    """dQ, dK, dV from the warp-specialized kernel, dQ summed in fp32 by TMA."""
     B, H, N, D = q.shape
     if not FWD.tma_loadable(do):
-        # A fresh allocation: do.contiguous() returns do itself when it is contiguous
-        # but starts off a 16-byte boundary, which TMA cannot load (lesson 11's
-        # exercise "Making a tensor loadable").
+        # Copied: do.contiguous() keeps a do off a 16-byte boundary (TMA can't load).
         do = torch.empty(do.shape, dtype=do.dtype, device=do.device).copy_(do)
     dq = torch.zeros((B, H, N, D), dtype=torch.float32, device=q.device)
     dk = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
@@ -397,11 +378,9 @@ def _ws_backward(q, k, v, do, lse, delta, causal, sm_scale):
 
 
 # %%
-# The grid: a program per key block and head. Each writes its keys' rows of :math:`dK`
-# and :math:`dV` alone and adds into :math:`dQ`'s rows of every query block it walks:
-# causal, from the block of its first key (``first``), those crossing the diagonal
-# masked (before ``unmasked_from``). Drawn by the kernel's rules, one head of 512, at
-# :math:`D = 128`.
+# The grid: a program per key block and head writes its keys' rows of :math:`dK` and
+# :math:`dV` alone and adds into :math:`dQ`'s rows of each query block it walks (causal:
+# from ``first``, masked before ``unmasked_from``). Drawn for one head of 512, D = 128:
 
 if __name__ == "__main__":
     n, block_m, block_n = 512, WS_BWD_BLOCK_M[128], WS_BWD_BLOCK_N
@@ -410,25 +389,52 @@ if __name__ == "__main__":
         for p in range(n // block_n)})
 
 # %%
+# Trading :math:`dS`
+# ------------------
+# Each group makes :math:`dS^T` for its own 64 keys, but a query's row of :math:`dQ`
+# sums over all 128: each group's :math:`dQ` columns need both halves. Each stores its
+# half in its own slot of ``ds_smem``, then multiplies both, in ``ds_exchange``'s order.
+# Two mbarriers, a phase per query block at an arrival from each group, keep it right:
+# ``ds_ready`` once both halves are stored (else a group could read a stale or
+# half-written half), ``ds_free`` once both :math:`dQ` products have read them (else a
+# group ahead could overwrite its slot under the other's product): a wrong :math:`dQ`,
+# silently, in some runs only. Below, a model by those rules, the :math:`dQ` products
+# taking turns on the tensor cores; dotted: a phase completes, named by its parity.
+
+
+def ds_exchange(i, group):
+    """A group's steps in trading dS^T for its i-th query block, in the kernel's order:
+    (action, what, parity of a wait)."""
+    return [("wait", "ds_free", (i & 1) ^ 1),  # both read the last block's halves
+            ("store", group, None),  # its keys' dS^T, into its own slot
+            ("sync", "group", None),  # fence; all 4 warps of the group have stored
+            ("arrive", "ds_ready", None),
+            ("wait", "ds_ready", i & 1),  # the other half is stored
+            ("read", (0, 1), None),  # the dQ product, from both slots
+            ("arrive", "ds_free", None)]  # once that product is done
+
+
+if __name__ == "__main__":
+    kit.draw_exchange(ds_exchange, half=WS_BWD_BLOCK_N // 2)
+
+# %%
 # The launcher and autograd
 # -------------------------
-# Three backwards can follow either forward: this lesson's Gluon kernel, and lesson
-# 07's two-pass and atomic ones. ``attention`` runs the one that ``tools/tune.py
-# attention`` measured fastest for the case before this build (``BACKWARD_PATHS``, cost
-# as in lesson 11), and lesson 11's table's forward; "Reading the numbers" counts where
-# this run agrees. Arguments overrule the tables: ``atomic_dq=False`` asks for the
-# two-pass backward (the same bits every run), ``True`` for an atomic one (Gluon's where
-# it runs), ``warp_specialized`` for or against the Gluon kernels, both ways. Cases the
-# tables miss run Gluon where it can, else the two-pass backward.
+# Three backwards can follow either forward: this lesson's Gluon kernel and lesson 07's
+# two-pass and atomic ones. ``attention`` runs the one ``tools/tune.py attention``
+# measured fastest for the case before this build (``BACKWARD_PATHS``, cost as in lesson
+# 11), with lesson 11's table's forward; "Reading the numbers" counts where this run
+# agrees. Arguments overrule the tables: ``atomic_dq=False`` asks for the two-pass
+# backward, ``True`` for an atomic one (Gluon's where it runs), ``warp_specialized`` for
+# or against Gluon; cases the tables miss run Gluon where it can, else two-pass.
 
 BACKWARD_PATHS = FWD.paths_table("backward-paths")
 
 
 def choose_paths(q, k, v, causal, sm_scale, atomic_dq, warp_specialized):
     """(whether to run the Gluon forward, the backward to run) for this case and these
-    arguments. Whether the Gluon kernels can take the inputs costs host time to find
-    out, so it is asked at most once, for both, and only if the tables or the
-    arguments leave the choice open."""
+    arguments. Whether Gluon takes the inputs costs host time to find out: it is asked
+    at most once, for both, and only if the tables or the arguments leave it open."""
     FWD.check_flag("atomic_dq", atomic_dq)
     FWD.check_flag("warp_specialized", warp_specialized)
     gluon = functools.cache(lambda: FWD.gluon_allowed(q, k, v, warp_specialized,
@@ -494,8 +500,7 @@ def attention(q, k, v, causal, sm_scale, atomic_dq=None, warp_specialized=None):
 
 if __name__ == "__main__":
     reason = FWD.say_which_runs("backward", "lessons 06 and 07's kernels")
-    # The tables pick lesson 07's kernels at this length in some cases (lesson 07
-    # checks them): insist on Gluon.
+    # The tables pick lesson 07's kernels (tested there) in some cases: insist on Gluon.
     checked = functools.partial(attention, warp_specialized=None if reason else True)
     kit.check_attention_cases(checked, "13-hopper-backward-gluon")
 
@@ -504,9 +509,8 @@ if __name__ == "__main__":
 # ---------
 # The backward pass in TFLOP/s (2.5 times the forward's FLOPs: five products), at lesson
 # 06's sizes, against lesson 07's two-pass and atomic backwards and SDPA's backends.
-# **How we time**: as in lesson 11, each provider's GPU time and its time back to back
-# (:doc:`../performance`, "How we time"); a backward is timed alone, as
-# ``torch.autograd.grad`` after one forward. The plot and the verdicts read GPU time.
+# **How we time**: as in lesson 11 (:doc:`../performance`); a backward alone, as
+# ``torch.autograd.grad`` after one forward; the plot and the verdicts read GPU time.
 
 WS, PORTABLE, ATOMIC = FWD.WS, FWD.PORTABLE, FWD.ATOMIC
 
@@ -532,8 +536,7 @@ def default_backward(D, causal, N):
 
 
 # %%
-# What produced the numbers below, the plot (from the same run), then the table by GPU
-# time:
+# What produced the numbers below, then the plot and the table (by GPU time) of one run:
 
 if __name__ == "__main__":
     print(kit.describe_platform())
@@ -569,15 +572,14 @@ paths if __name__ == "__main__" else None
 # %%
 # The host at the smallest size
 # -----------------------------
-# At the smallest size the host's share of a call is largest (lesson 12): a backward
-# is a few Python launches (two kernels for the two-pass backward; for the atomic and
-# Gluon ones the preprocess, the main kernel, and zeroing and converting the fp32
-# :math:`dQ`) after PyTorch's autograd engine. Lesson 12's ``pacing_rows`` sets each
-# backward's host time, measured now, beside the benchmark's GPU and back-to-back
-# times, and reads them with ``who_paced``. Beside them, the host's floor for any
-# backward written in Python: an autograd function whose backward launches nothing.
-# It does the same work in every case, so its own range shows how far host times drift.
-# cuDNN's backward is C++ inside PyTorch and pays no such Python round trip.
+# At the smallest size the host's share of a call is largest (lesson 12): a backward is
+# a few Python launches (two-pass: two kernels; atomic and Gluon: the preprocess, the
+# main kernel, zeroing and converting the fp32 :math:`dQ`) after PyTorch's autograd
+# engine. Lesson 12's ``pacing_rows`` sets each backward's host time, measured now,
+# beside its GPU and back-to-back times, read by ``who_paced``, and beside the host's
+# floor for a Python backward: an autograd function whose backward launches nothing, the
+# same work in every case, so its range shows how far host times drift. cuDNN's backward
+# is C++ inside PyTorch: no such round trip.
 
 
 class _GradientsReady(torch.autograd.Function):
@@ -640,20 +642,18 @@ hosts if __name__ == "__main__" and kit.ON_GPU else None
 # Where the backward's time goes
 # ------------------------------
 # The CUDA profiler times each kernel of lesson 07's two-pass backward at :math:`D =
-# 128` and the sweep's longest sequence and, from the matrix products each kernel
-# executes, gives each kernel's multiply rate; on Hopper then the warp-specialized
-# backward, and last SDPA's cuDNN backward, whose longest kernel counts as five
-# products, as FlashAttention's does. Each kernel's time is the fastest of a few
-# profiles of three passes each: one profile alone can be disturbed.
+# 128` and the sweep's longest sequence, and its multiply rate from the products it
+# executes; then, on Hopper, the warp-specialized backward; last SDPA's cuDNN backward,
+# its longest kernel counted as five products, as FlashAttention's does. Each time is
+# the fastest of a few profiles of three passes: one alone can be disturbed.
 
 BACKWARD_PRODUCTS = {"attn_bwd_preprocess_kernel": 0, "attn_bwd_dkdv_kernel": 4,
                      "attn_bwd_dq_kernel": 3, "attn_bwd_ws_kernel": 5}
 
 
 def backward_kernel_ms(fn, q, k, v, passes=3, **kwargs):
-    """{kernel name: GPU milliseconds per backward pass} of every kernel that fn's
-    backward runs (kit.kernel_ms, the profiler): per kernel, the fastest of kit.PASSES
-    profiles, as the benchmark keeps the fastest of its timings."""
+    """{kernel name: GPU milliseconds per backward pass} of every kernel fn's backward
+    runs (kit.kernel_ms): per kernel, the fastest of kit.PASSES profiles."""
     timer = kit.backward_timer(fn, q, k, v, **kwargs)
     with timer.context():
         call = timer.make()

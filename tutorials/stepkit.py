@@ -2520,3 +2520,145 @@ def draw_program_ownership(n, block_n, block_m, walks):
                  "masked)")
     fig.tight_layout()
     return fig
+
+
+# Lesson 13's exchange of dS^T between its two consumer groups.
+
+
+def exchange_timeline(exchange, blocks=3, make=2.5, store=0.5, product=1.0, rest=1.0):
+    """A model of lesson 13's two consumer groups over `blocks` query blocks, each
+    running exchange(i, group), the kernel's steps for block i in its order: (action,
+    what, parity) with actions "wait" (barrier, parity), "arrive" (barrier), "store"
+    (slot), "sync" (within the group) and "read" (slots). Barriers take two arrivals
+    a phase; a wait for parity p passes while the last phase completed has parity p
+    (a fresh barrier counts the phase before its first, parity 1). Scheduled by those
+    rules, not measured: a group makes its dS^T (`make`) before the steps and
+    finishes the block (`rest`: dK, dV, sending dQ) after them; a store takes `store`;
+    a read is dQ's product (`product`), and both groups' run one at a time on the
+    SM's tensor cores, group 0's first on a tie. Returns (bars, phases): bars {lane:
+    [(start, length, label, kind)]} for lanes "group 0", "slot 0", "slot 1" (a
+    block's dS^T held from its store to the end of the last read of it) and
+    "group 1", a wait that passes at once as a bar of length 0; phases {barrier:
+    [(time, parity) of each phase completed]}. ValueError where the groups
+    deadlock, or a slot is read while it holds another block or overwritten while
+    it is read."""
+    if blocks < 1:
+        raise ValueError(f"blocks must be at least 1, got {blocks}")
+    steps = [[(i, *step) for i in range(blocks) for step in
+              [("make", None, None), *exchange(i, g), ("rest", None, None)]]
+             for g in (0, 1)]
+    bars = {"group 0": [], "slot 0": [], "slot 1": [], "group 1": []}
+    phases, arrivals = {}, {}  # per barrier: completed phases' times; arrivals since
+    clock, at, tensor_cores, held = [0.0, 0.0], [0, 0], 0.0, {}
+
+    def start(g):
+        """When group g's next step can start, None while it waits."""
+        _, action, what, parity = steps[g][at[g]]
+        if action != "wait":
+            return clock[g]
+        done = phases.get(what, [])
+        if len(done) % 2 == parity:  # the barrier is in a phase of that parity
+            return None
+        return max(clock[g], done[-1][0]) if done else clock[g]
+
+    while any(at[g] < len(steps[g]) for g in (0, 1)):
+        ready = [(start(g), g) for g in (0, 1) if at[g] < len(steps[g])]
+        if all(t is None for t, _ in ready):
+            stuck = [steps[g][at[g]] for _, g in ready]
+            raise ValueError(f"the groups deadlock, waiting at {stuck}")
+        now, g = min((t, g) for t, g in ready if t is not None)
+        i, action, what, parity = steps[g][at[g]]
+        at[g] += 1
+        begin, length, label = now, 0.0, None
+        if action == "wait":  # drawn from when the group reached it
+            begin, length = clock[g], now - clock[g]
+            label = f"{what.removeprefix('ds_')}:{parity}"
+        elif action == "arrive":
+            arrivals[what] = arrivals.get(what, 0) + 1
+            if arrivals[what] == 2:
+                arrivals[what] = 0
+                done = phases.setdefault(what, [])
+                done.append((now, len(done) % 2))
+        elif action == "store":
+            if held.get((what, i - 1), [0, 0])[1] > now:
+                raise ValueError(f"group {g} overwrites slot {what} while block "
+                                 f"{i - 1} is read from it")
+            length, label = store, ""
+            held[what, i] = [now, now + store]
+        elif action == "read":
+            begin = max(now, tensor_cores)
+            length, label = product, f"dQ{i}"
+            tensor_cores = begin + product
+            for slot in what:
+                if (slot, i) not in held or (slot, i + 1) in held:
+                    raise ValueError(f"group {g} reads slot {slot} for block {i} "
+                                     "while it holds another block")
+                held[slot, i][1] = max(held[slot, i][1], tensor_cores)
+        elif action in ("make", "rest"):
+            length = make if action == "make" else rest
+            label = f"$dS^T_{i}$" if action == "make" else "dK dV"
+        elif action != "sync":
+            raise ValueError(f"unknown action {action!r} in {steps[g][at[g] - 1]}")
+        if label is not None:
+            bars[f"group {g}"].append((begin, length, label, action))
+        clock[g] = begin + length
+    for (slot, i), (begin, end) in sorted(held.items()):
+        bars[f"slot {slot}"].append((begin, end - begin, f"$dS^T_{i}$", "held"))
+    return bars, phases
+
+
+def draw_exchange(exchange, blocks=2, half=64, **durations):
+    """Lesson 13's exchange of dS^T between its two consumer groups, as
+    exchange_timeline (above) schedules it by exchange(i, group): each group's steps,
+    the two shared-memory slots, and when each barrier completes a phase (dotted,
+    named by the phase's parity above). durations: exchange_timeline's. Large type,
+    few words: it is read on phones too. Returns the figure."""
+    import matplotlib.pyplot as plt
+
+    plot_style()
+    bars, phases = exchange_timeline(exchange, blocks, **durations)
+    fig, ax = plt.subplots(figsize=(9, 5))
+    passes = "#c0392b"
+    rows = {"group 0": (3.0, 0.8), "slot 0": (1.95, 0.55), "slot 1": (1.25, 0.55),
+            "group 1": (0.2, 0.8)}  # lane: (y, height)
+    look = {"make": ("#e4a23c", None), "store": ("#333333", None),
+            "read": ("#3b7dd8", None), "rest": ("#c7c7c7", None),
+            "held": ("#b7d3b0", None), "wait": ("white", "///")}
+    for lane, lane_bars in bars.items():
+        y, height = rows[lane]
+        for begin, length, label, kind in lane_bars:
+            if kind == "wait" and length == 0:  # passes at once: a tick
+                ax.plot([begin] * 2, [y - 0.65 * height, y + 0.65 * height],
+                        color=passes, linewidth=3, zorder=3)
+                continue
+            colour, hatch = look[kind]
+            ax.broken_barh([(begin, length)], (y - height / 2, height),
+                           facecolor=colour, edgecolor="#555555", hatch=hatch)
+            if kind in ("make", "read", "held"):
+                ax.text(begin + length / 2, y, label, ha="center", va="center",
+                        fontsize=18, color="white" if kind == "read" else "black")
+    for t, _ in (mark for done in phases.values() for mark in done):
+        ax.axvline(t, color="black", linestyle=":", linewidth=1.5, zorder=0)
+    top = ax.secondary_xaxis("top")
+    marks = sorted((t, f"{name.removeprefix('ds_')} {p}")
+                   for name, done in phases.items() for t, p in done)
+    top.set_xticks(*zip(*marks), fontsize=16)
+    top.tick_params(length=0)
+    names = [f"group 0\nkeys 0-{half - 1}", "slot 0", "slot 1",
+             f"group 1\nkeys {half}-{2 * half - 1}"]
+    ax.set_yticks([y for y, _ in rows.values()], names, fontsize=17)
+    ax.tick_params(length=0)
+    ax.set_xticks([])
+    end = max(b + n for lane in bars.values() for b, n, *_ in lane)
+    ax.set(xlim=(0, end), ylim=(-0.3, 3.5))
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+    top.spines["top"].set_visible(False)
+    ax.set_title("Two groups share $dS^T$ in two slots", fontsize=18, pad=12)
+    keys = [plt.Rectangle((0, 0), 1, 1, fc=c, ec="#555555", hatch=h)
+            for c, h in (look["store"], look["wait"], look["rest"])]
+    keys.insert(2, plt.Line2D([], [], color=passes, linewidth=3))
+    fig.legend(keys, ["store", "wait", "passes", "dK, dV, dQ out"],
+               loc="lower center", ncol=4, frameon=False, fontsize=16)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    return fig
