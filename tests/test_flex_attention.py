@@ -112,7 +112,7 @@ def compiled_on_the_cpu(monkeypatch):
 
     torch._dynamo.reset()
     monkeypatch.setattr(kit, "ON_GPU", True)
-    monkeypatch.setattr(kit, "_compiled_flex_attention", lambda: torch.compile(
+    monkeypatch.setattr(kit, "compiled_flex_attention", lambda: torch.compile(
         flex_attention, backend="eager", dynamic=False, fullgraph=True))
     yield
     torch._dynamo.reset()

@@ -535,9 +535,8 @@ def flex_decoding(scale, length):
 
     every_key = flex.create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx >= 0, None,
                                        None, 1, length, device=DEVICE)  # fmt: skip
-    decode = functools.partial(
-        torch.compile(flex.flex_attention, dynamic=False, fullgraph=True),
-        block_mask=every_key, scale=scale, enable_gqa=True)  # fmt: skip
+    decode = functools.partial(kit.compiled_flex_attention(), block_mask=every_key,
+                               scale=scale, enable_gqa=True)  # fmt: skip
     decode.context = kit.flex_settings
     return decode
 

@@ -1234,7 +1234,7 @@ def _causal_block_mask(q_len, kv_len, device):
 
 
 @functools.cache
-def _compiled_flex_attention():
+def compiled_flex_attention():
     """torch.compile(flex_attention), made once: one graph or an error
     (fullgraph), compiled for each shape (dynamic=False)."""
     from torch.nn.attention.flex_attention import flex_attention
@@ -1276,7 +1276,7 @@ def _flex_provider(causal, scale, compiled):
     from torch._dynamo.exc import FailOnRecompileLimitHit
     from torch.nn.attention.flex_attention import flex_attention
 
-    attend = _compiled_flex_attention() if compiled else flex_attention
+    attend = compiled_flex_attention() if compiled else flex_attention
 
     def flex(q, k, v):
         mask = (
