@@ -201,6 +201,7 @@ def attn_fwd_kernel(
     D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
     NEGATIVE_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile passes an fp64 float
     # Under a causal mask, the last query block first: it has the most keys, and the
     # GPU starts programs roughly in order, so the ones that start last, as the GPU
     # runs dry, are the shortest.
@@ -327,13 +328,11 @@ def host_cdiv(a, b):
 
 
 def host_next_power_of_2(n):
-    """triton.next_power_of_2(n), n >= 1, without its cost on the host."""
-    return 1 << (n - 1).bit_length()
+    """triton.next_power_of_2(n), n >= 1 (an int or a SymInt), without host cost."""
+    return 1 << (int(n) - 1).bit_length()
 
 
-@functools.cache
-def _capability(device):
-    return torch.cuda.get_device_capability(device)
+_capability = functools.cache(torch.cuda.get_device_capability)
 
 
 def tuned_case(q, causal):
@@ -345,7 +344,8 @@ def tuned_case(q, causal):
     if _capability(q.device) != TUNED_ON["capability"]:
         return None
     low, high = TUNED_ON["buckets"][0], TUNED_ON["buckets"][-1]
-    return q.shape[3], causal, min(max(host_next_power_of_2(q.shape[2]), low), high)
+    bucket = min(max(host_next_power_of_2(q.shape[2]), low), high)
+    return int(q.shape[3]), causal, bucket  # int(): torch.compile passes SymInts
 
 
 # %%
