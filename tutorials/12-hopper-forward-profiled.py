@@ -16,7 +16,8 @@ You will learn:
 
 * the three times of a call (the host's, the GPU's, back to back) and why back to back
   goes at the pace of the slower of the other two, with a picture of each case;
-* how to measure the host's time: a timer over calls that are not waited for;
+* how to measure the host's time: a timer over calls that are not waited for; and
+  what skipping a call's checks and autograd saves;
 * how to tell, from numbers measured in one run, whether a call is host-bound, and what
   lesson 06's launch plans buy;
 * what one program per SM buys, measured by launching the same kernel both ways;
@@ -33,10 +34,13 @@ the pictures, the compiled kernel's shared memory and the exercises, and says wh
 skipped.
 """
 
+import functools
+import itertools
 import math
 import time
 
 import torch
+import torch.nn.functional as F
 
 import stepkit as kit  # picks the device; no GPU: the Triton interpreter
 
@@ -357,8 +361,7 @@ def draw_host_and_gpu(measured, N):
     ax.set_yticks(list(rows), labels, fontsize=10)
     ax.invert_yaxis()
     ax.set_xlabel("microseconds per call", fontsize=10)
-    ax.set_title(f"Host time, GPU time and back to back per call at N = {N}",
-                 fontsize=11)
+    ax.set_title(f"Host time, GPU time and back to back per call at N = {N}", size=11)
     fig.legend(loc="lower center", ncol=3, fontsize=10, frameon=False)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig
@@ -477,6 +480,48 @@ if __name__ == "__main__" and kit.ON_GPU and persistence:
           f"{longest['high'].max():.2f}.")
 
 # %%
+# Less Python per call
+# --------------------
+# Lesson 11's ``attention`` used to check its inputs, pick its forward and go through
+# autograd on every call. The checks and the pick read only the inputs' layout and
+# flags: lesson 11's ``settled_paths`` does them once per layout, and a call needing no
+# gradient skips autograd. Host microseconds per call, before and after, beside plain
+# SDPA and the launch alone; each call takes the next of 8 fresh sets of inputs.
+
+
+def host_steps(B, H, N, D, scale, sets=8):
+    """{name: host microseconds per call}, without and with inputs requiring grad."""
+    pools = [[[torch.randn(B, H, N, D, device=kit.DEVICE, dtype=torch.float16,
+                           requires_grad=grad) for _ in range(3)]
+              for _ in range(sets)] for grad in (False, True)]  # fmt: skip
+    ws = FWD.settled_paths(FWD.use_warp_specialized, *pools[0][0], False, scale, None)
+
+    def before(q, k, v):  # on every call: the checks, the pick and autograd
+        kit.check_attention_inputs(q, k, v, False, scale)
+        pick = FWD.use_warp_specialized(q, k, v, False, scale, None)
+        return FWD._AttentionHopperForward.apply(q, k, v, False, scale, pick)
+
+    sdpa = functools.partial(F.scaled_dot_product_attention, scale=scale)
+    after = functools.partial(FWD.attention, causal=False, sm_scale=scale)
+    calls = {"plain SDPA": (sdpa, 0), "attention, before": (before, 0),
+             "attention, after": (after, 0),
+             "the launch alone": (lambda *qkv: FWD.forward(*qkv, False, scale, ws), 0),
+             "plain SDPA, with grad": (sdpa, 1), "attention, with grad": (after, 1)}
+    host = interleaved_host_ms({name: lambda fn=fn, sets=itertools.cycle(pools[grad]):
+                                fn(*next(sets)) for name, (fn, grad) in calls.items()})
+    return {name: 1e3 * ms for name, ms in host.items()}
+
+
+if __name__ == "__main__" and kit.ON_GPU:
+    N = V2.SIZES[0]  # the shortest length again, after the loops above
+    steps = pd.Series(host_steps(4, 32, N, 64, 0.125), name="host (us per call)")
+    print(f"No grad: {steps['attention, after'] / steps['plain SDPA']:.2f}x plain "
+          "SDPA's host time (target: at most 1); with grad: "
+          f"{steps['attention, with grad'] / steps['plain SDPA, with grad']:.2f}x "
+          "(target: at most 1.5).")
+steps.round(1).to_frame() if __name__ == "__main__" and kit.ON_GPU else None
+
+# %%
 # Taking the host out: one operator, recorded once
 # ------------------------------------------------
 # Where the host paces a short call, the cure is to stop running Python on every call.
@@ -503,7 +548,7 @@ def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
         V2.FWD_SHAPES[-1] if kit.ON_GPU else V2.INTERPRETER_CONFIGS["fwd"])
     torch.library.wrap_triton(V2.attn_fwd_kernel)[(V2.host_cdiv(N, block_m), B * H)](
         q, k, v, o, lse, sm_scale * V2.LOG2E, H, N, V2.host_next_power_of_2(N),
-        *q.stride(), *k.stride(), *v.stride(), *o.stride(), D=D, CAUSAL=causal,
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(), D=int(D), CAUSAL=causal,
         UPCAST_DOT=V2._upcast(q), NEGATIVE_SCALE=sm_scale < 0, BLOCK_M=block_m,
         BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     return o
@@ -520,10 +565,8 @@ def flash_attention(q, k, v, sm_scale, causal=False):
 
 
 def host_free_calls(q, k, v, scale):
-    """{name: call} of the forward on q, k, v: plain SDPA, ours eager, compiled and
-    replayed, each output checked against eager attention first. RuntimeError where
-    this PyTorch cannot compile or record them."""
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+    """{name: call}: plain SDPA, ours eager, compiled and replayed, each checked against
+    eager attention first; RuntimeError where torch cannot compile or record them."""
     compiled = torch.compile(flash_attention, fullgraph=True)
     graphed = torch.compile(flash_attention, fullgraph=True, mode="reduce-overhead")
     replay, recorded = kit.captured(FWD.attention, q, k, v, False, scale)
@@ -532,8 +575,7 @@ def host_free_calls(q, k, v, scale):
     tolerance = kit.TOLERANCE[q.dtype]
     for out in (compiled(q, k, v, scale), graphed(q, k, v, scale), recorded):
         torch.testing.assert_close(out, eager, rtol=tolerance, atol=tolerance)
-    return {"plain SDPA": lambda: sdpa(q, k, v, scale=scale),
-            "attention, eager": lambda: FWD.attention(q, k, v, False, scale),
+    return {"plain SDPA": lambda: F.scaled_dot_product_attention(q, k, v, scale=scale),
             "flash_forward, eager": lambda: flash_attention(q, k, v, scale),
             "flash_forward, torch.compile": lambda: compiled(q, k, v, scale),
             "... mode='reduce-overhead'": lambda: graphed(q, k, v, scale),
@@ -541,9 +583,8 @@ def host_free_calls(q, k, v, scale):
 
 
 if __name__ == "__main__" and kit.ON_GPU:
-    B, H, N, D = 4, 32, V2.SIZES[0], 64
-    q, k, v = (torch.randn(B, H, N, D, device=kit.DEVICE, dtype=torch.float16)
-               for _ in range(3))  # fmt: skip
+    B, H, D = 4, 32, 64
+    q, k, v = torch.randn(3, B, H, N, D, device=kit.DEVICE, dtype=torch.float16)
     try:
         calls = host_free_calls(q, k, v, D**-0.5)
         print(f"B={B}, H={H}, N={N}, D={D}, fp16, no grad; compiled and replayed "

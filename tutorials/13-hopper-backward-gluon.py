@@ -109,8 +109,7 @@ _tma_load, _ws_barrier_ring = FWD._tma_load, FWD._ws_barrier_ring
 WS_BWD_BLOCK_N, WS_BWD_STAGES = 128, 2
 # Queries per block by head dimension: at D = 64 the registers hold 128-query S^T, dP^T.
 WS_BWD_BLOCK_M = {64: 128, 128: 64}
-_WS_ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
-                                      rank=2)
+_WS_ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 _WS_DQ_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32,
                                      rank=4)
 
@@ -486,10 +485,12 @@ def attention(q, k, v, causal, sm_scale, atomic_dq=None, warp_specialized=None):
     lesson 07's atomics elsewhere), whose last bits vary from run to run.
     ``warp_specialized``: None lets the measurement choose; True insists on the Gluon
     kernels, False asks for lessons 06 and 07's."""
-    kit.check_attention_inputs(q, k, v, causal, sm_scale)
+    ws, path = FWD.settled_paths(choose_paths, q, k, v, causal, sm_scale, atomic_dq,
+                                 warp_specialized)  # lesson 11: once per layout
     q, k, v = kit.resolved(q, k, v)
-    ws, path = choose_paths(q, k, v, causal, sm_scale, atomic_dq, warp_specialized)
-    return _AttentionHopper.apply(q, k, v, causal, float(sm_scale), ws, path)
+    if FWD.needs_grad(q, k, v):
+        return _AttentionHopper.apply(q, k, v, causal, float(sm_scale), ws, path)
+    return FWD.forward(q, k, v, causal, float(sm_scale), ws)[0]
 
 
 # %%

@@ -1,0 +1,134 @@
+"""Lesson 11's settled_paths: a call's checks and path choice run once per layout of its inputs (issue 42, item 3).
+The cache must never let through what the checks refuse, nor key on data pointers: a training step's tensors are new.
+On the CPU the cache is off (the interpreter pays no launch cost); the logic is tested here with it switched on and a
+stand-in for the path choice, and on a GPU through the real attention."""
+
+import pytest
+import stepkit
+import torch
+from lessons import load
+
+FWD, HOPPER = load("11-hopper-forward-gluon"), load("13-hopper-backward-gluon")
+V2 = load("06-fused-attention-v2-forward")
+gpu_only = pytest.mark.skipif(not stepkit.ON_GPU, reason="the kernels' host path is a GPU question")
+
+
+@pytest.fixture
+def cache_on(monkeypatch):
+    """settled_paths as on a GPU, with a layout key that needs no GPU, and a fresh cache; yields the list of
+    calls that reached the path choice."""
+    monkeypatch.setattr(stepkit, "ON_GPU", True)
+    monkeypatch.setattr(V2, "plan_key", lambda *ts: tuple((t.shape, t.stride(), t.dtype) for t in ts))
+    monkeypatch.setattr(FWD, "SETTLED", {})
+    chosen = []
+
+    def choose(q, k, v, causal, sm_scale, flag):
+        FWD.check_flag("warp_specialized", flag)
+        chosen.append((q.dtype, causal, sm_scale, flag))
+        return "path"
+
+    yield lambda *args, flag=None: FWD.settled_paths(choose, *args, flag), chosen
+
+
+def _qkv(shape=(1, 2, 9, 64), dtype=torch.float16):
+    return [torch.randn(shape).to(stepkit.DEVICE, dtype) for _ in range(3)]
+
+
+def test_a_layout_is_checked_and_chosen_once_whatever_the_tensors(cache_on):
+    settled, chosen = cache_on
+    for _ in range(3):  # fresh tensors each time: new data pointers, one layout
+        assert settled(*_qkv(), True, 0.125) == "path"
+    assert len(chosen) == 1
+    settled(*_qkv(dtype=torch.bfloat16), True, 0.125)
+    settled(*_qkv(shape=(1, 2, 10, 64)), True, 0.125)
+    settled(*[t.transpose(1, 2).contiguous().transpose(1, 2) for t in _qkv()], True, 0.125)
+    settled(*_qkv(), False, 0.125)
+    settled(*_qkv(), True, 0.25)
+    settled(*_qkv(), True, 0.125, flag=True)
+    assert len(chosen) == 7
+
+
+@pytest.mark.parametrize("bad, error, message", [
+    (dict(causal=1), TypeError, "causal must be True or False"),
+    (dict(sm_scale=True), TypeError, "sm_scale"),
+    (dict(sm_scale=float("nan")), TypeError, "sm_scale must be a finite real number"),
+    (dict(flag=1), TypeError, "warp_specialized must be None, True or False"),
+    (dict(flag=[True]), TypeError, "warp_specialized must be None, True or False"),
+])
+def test_what_the_checks_refuse_is_refused_after_a_good_call_too(cache_on, bad, error, message):
+    # 1 == True and hash(1) == hash(True): a key without types would hand these the settled path.
+    settled, _ = cache_on
+    good = dict(causal=True, sm_scale=1, flag=True)
+    settled(*_qkv(), good["causal"], good["sm_scale"], flag=good["flag"])
+    args = {**good, **bad}
+    for _ in range(2):
+        with pytest.raises(error, match=message):
+            settled(*_qkv(), args["causal"], args["sm_scale"], flag=args["flag"])
+
+
+def test_inputs_the_checks_refuse_are_refused_after_a_good_call_with_their_layout(cache_on):
+    settled, _ = cache_on
+    q, k, v = _qkv()
+    settled(q, k, v, False, 0.5)
+    with pytest.raises(TypeError, match="same dtype"):
+        settled(q, k.bfloat16(), v, False, 0.5)
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        settled(q, k, v.tolist(), False, 0.5)
+
+
+def test_negated_views_and_subclasses_take_the_long_way_every_time(cache_on):
+    settled, chosen = cache_on
+    q, k, v = _qkv()
+    negated = torch._neg_view(k)  # a lazy negation: the kernel must read resolved values
+    assert negated.is_neg()
+    for _ in range(2):
+        settled(q, negated, v, False, 0.5)
+        settled(torch.nn.Parameter(q), k, v, False, 0.5)
+    assert len(chosen) == 4
+    assert FWD.settled_key(q, negated, v, False, 0.5) is None
+    assert FWD.settled_key(q, k, v, False, [0.5]) is None  # unhashable: the checks name it
+
+
+def test_off_a_gpu_nothing_is_kept():
+    if stepkit.ON_GPU:
+        pytest.skip("a CPU fact")
+    q, k, v = _qkv()
+    assert FWD.settled_key(q, k, v, True, 0.125) is None
+    FWD.attention(q, k, v, True, 0.125)
+    assert not FWD.SETTLED
+
+
+@gpu_only
+@pytest.mark.parametrize("lesson", [FWD, HOPPER], ids=["11", "13"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_settled_calls_match_float64_with_and_without_grad(lesson, causal):
+    generator = stepkit.fresh_generator()
+    for grad in (False, False, True, True):  # the second of each runs settled
+        qkv = [torch.randn(2, 3, 333, 128, generator=generator).to("cuda", torch.bfloat16).requires_grad_(grad)
+               for _ in range(3)]
+        exact = [t.detach().double().requires_grad_(grad) for t in qkv]
+        out = lesson.attention(*qkv, causal, 0.09)
+        expected = stepkit.reference_attention(*exact, causal, 0.09)
+        torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
+        assert out.requires_grad == grad
+        if grad:
+            dout = torch.randn_like(out)
+            got = torch.autograd.grad(out, qkv, dout)
+            want = torch.autograd.grad(expected, exact, dout.double())
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g.double(), w, rtol=5e-2, atol=5e-2)
+
+
+@gpu_only
+def test_a_settled_call_skips_the_checks_and_the_choice(monkeypatch):
+    q, k, v = (torch.randn(1, 2, 100, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    first = FWD.attention(q, k, v, False, 0.125)
+
+    def refuse(*args):
+        raise AssertionError("ran again")
+
+    monkeypatch.setattr(FWD.kit, "check_attention_inputs", refuse)
+    monkeypatch.setattr(FWD, "use_warp_specialized", refuse)
+    assert torch.equal(FWD.attention(q.clone(), k.clone(), v.clone(), False, 0.125), first)
+    with pytest.raises(AssertionError, match="ran again"):
+        FWD.attention(q, k, v, False, 0.25)  # another scale: not settled
