@@ -270,3 +270,27 @@ def test_page_reads_well_offline(served_site, browser, path, width):
                 assert natural <= 2 * shown, f"{src} is {natural} px wide, shown at {shown:.0f} px"
     finally:
         page.close()
+
+
+# The header at a desktop width: [page width, window width, title height over its line height, right edge of
+# the rightmost icon]. A reader at 1280 px found the title on four lines and the icons past the window's edge.
+HEADER_FIT = """() => {
+  const title = document.querySelector('.bd-header .navbar-brand p.title');
+  const icons = [...document.querySelectorAll(['.bd-header .navbar-icon-links a', '.bd-header .theme-switch-button',
+    '.bd-header .search-button'].join(', '))]
+    .filter(e => e.offsetParent !== null).map(e => e.getBoundingClientRect().right);
+  return [document.scrollingElement.scrollWidth, window.innerWidth,
+          title.getBoundingClientRect().height / parseFloat(getComputedStyle(title).lineHeight), Math.max(...icons)];
+}"""
+
+
+@pytest.mark.parametrize("width", [960, 1100, 1200, 1280, 1366])
+def test_the_header_fits_every_desktop_width(served_site, browser, width):
+    page, *_ = open_offline(browser, f"{served_site}/dev/{PAGE}", width)
+    try:
+        page_width, window, title_lines, icons_end = page.evaluate(HEADER_FIT)
+        assert page_width <= window, f"the page is {page_width} px wide in a {window} px window"
+        assert title_lines < 2.5, f"the title takes {title_lines:.1f} lines"
+        assert icons_end <= window, f"the icons end at {icons_end:.0f} px in a {window} px window"
+    finally:
+        page.close()

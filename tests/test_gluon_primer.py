@@ -107,6 +107,7 @@ def test_the_diagrams_draw_without_a_gpu(monkeypatch):
     import matplotlib.pyplot as plt
 
     monkeypatch.setattr(plt, "show", lambda: None)
+    plt.close("all")  # figures that other tests in this worker left open
     L.draw_accumulator()
     L.draw_ring_timeline()
     two = L.compile_ring(2)
