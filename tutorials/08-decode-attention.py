@@ -528,7 +528,7 @@ LENGTHS = [1024, 4096, 16384, 65536, 131072] if kit.ON_GPU else [256, 1024]
 
 def flex_decoding(scale, length):
     """FlexAttention for caches of length keys (None where it cannot run): compiled,
-    a block mask of one query row; with none it read 14-20x slower (an H200)."""
+    a block mask of one query row (the engineering notes time it without one)."""
     if kit.flex_attention_missing():
         return None
     from torch.nn.attention import flex_attention as flex
@@ -636,7 +636,8 @@ closing_table(gpu, b2b, sdpa) if __name__ == "__main__" else None
 # ------------------------------
 # Where :math:`B = 1` falls short of the copy, on a GPU: the CUDA profiler's µs per
 # step of each kernel (calls back to back), the split kernel's rate over a copy
-# kernel's on the same bytes, and the step's GPU time from the table above.
+# kernel's on the same bytes, and the step's GPU time from the table above (each replay
+# timed alone, after an L2 flush; "Launch cost" below replays steps back to back).
 
 if __name__ == "__main__" and kit.ON_GPU:
     for L in (L for L in LENGTHS if L >= 16384 and (1, L) in gpu.index):
