@@ -15,8 +15,8 @@ from torch.nn.functional import scaled_dot_product_attention
 
 V1, V2 = load("05-fused-attention-v1"), load("06-fused-attention-v2-forward")
 V2_BWD = load("07-fused-attention-v2-backward")
-HOPPER_FWD, HOPPER = load("11-hopper-forward-gluon"), load("13-hopper-backward-gluon")
-PROFILE = load("12-hopper-forward-profiled")
+HOPPER_FWD, HOPPER = load("11-hopper-forward-gluon"), load("14-hopper-backward-gluon")
+PROFILE = load("13-hopper-forward-profiled")
 
 
 def gluon_where_it_runs(attention):
@@ -34,7 +34,7 @@ VERSIONS = {"v1": V1.attention, "v2": V2_BWD.attention, "v2-atomic-dq": partial(
 DEVICE = V2.DEVICE  # the lessons run where Triton does: the GPU if there is one
 ON_HOPPER = stepkit.ON_GPU and torch.cuda.get_device_capability()[0] == 9
 if ON_HOPPER:
-    # Lessons 11 and 13 run their Gluon kernels here: the Gluon forward with the two-pass backward,
+    # Lessons 11 and 14 run their Gluon kernels here: the Gluon forward with the two-pass backward,
     # the Gluon forward and backward, and the Gluon forward with the two-pass backward asked for.
     VERSIONS["hopper-forward"] = HOPPER_FWD.attention
     VERSIONS["hopper"] = HOPPER.attention
@@ -192,7 +192,7 @@ def test_bad_warp_specialized_flag_is_refused(attention):
 @pytest.mark.parametrize("attention", [HOPPER_FWD.attention, HOPPER.attention], ids=["hopper-forward", "hopper"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_hopper_lessons_fall_back_to_the_portable_kernels(attention, causal, rng):
-    """Off Hopper (and for what TMA cannot load), lessons 11 and 13 must still compute attention."""
+    """Off Hopper (and for what TMA cannot load), lessons 11 and 14 must still compute attention."""
     q, k, v = (randn((1, 2, 70, 32), torch.float16, rng) for _ in range(3))  # head dim 32: never Gluon
     check(attention, q, k, v, causal, rng)
 
@@ -623,7 +623,7 @@ def _round_robin_schedule(n_m, heads, programs):
 
 
 def test_host_cells_say_what_paced_the_benchmark():
-    """The verdict lessons 12 and 13 print under their host measurements, from GPU, back-to-back and host times
+    """The verdict lessons 13 and 14 print under their host measurements, from GPU, back-to-back and host times
     (us) and the timings' spread: host-bound only where back to back exceeds GPU time by more than the spread and
     the host time accounts for it; otherwise the page says what the numbers show and what they cannot tell."""
     gpu_bound = PROFILE.who_paced(gpu=30.0, b2b=30.5, host=20.0, spread=0.03)
@@ -637,13 +637,13 @@ def test_host_cells_say_what_paced_the_benchmark():
     assert PROFILE.who_paced(gpu=30.0, b2b=36.0, host=39.0, spread=0.03).startswith("host-bound")
     # A host time past back to back by more than 10% contradicts it: the host ran slower when measured.
     assert PROFILE.who_paced(gpu=30.0, b2b=36.0, host=40.0, spread=0.03).startswith("inconsistent")
-    # A host time within 10% of back to back accounts for it (lesson 13, D=128 atomic: 302, 337, 320 us).
+    # A host time within 10% of back to back accounts for it (lesson 14, D=128 atomic: 302, 337, 320 us).
     assert PROFILE.who_paced(gpu=302.0, b2b=337.0, host=320.0, spread=0.10).startswith("host-bound")
     # Slower back to back, but not for the host's sake.
     assert "between the kernels" in PROFILE.who_paced(gpu=30.0, b2b=40.0, host=25.0, spread=0.03)
-    # Times within 2 us of each other (lesson 12, D=64 causal portable) are GPU-bound, not a gap between kernels.
+    # Times within 2 us of each other (lesson 13, D=64 causal portable) are GPU-bound, not a gap between kernels.
     assert PROFILE.who_paced(gpu=68.0, b2b=69.0, host=67.0, spread=0.01).startswith("GPU-bound")
-    # Timings that spread past the limit give no verdict, and say what the spread is (lesson 13's 51%).
+    # Timings that spread past the limit give no verdict, and say what the spread is (lesson 14's 51%).
     unsettled = PROFILE.who_paced(gpu=217.0, b2b=243.0, host=382.0, spread=0.51)
     assert unsettled.startswith("unsettled") and "two fastest timings differ by 51%" in unsettled
     for verdict in (gpu_bound, host_bound, unsettled):
@@ -651,7 +651,7 @@ def test_host_cells_say_what_paced_the_benchmark():
 
 
 def test_the_launch_plans_sentence_says_where_clearing_them_came_out_faster():
-    """Lessons 12 and 13 print what lesson 06's launch plans saved; where the host time without plans came out
+    """Lessons 13 and 14 print what lesson 06's launch plans saved; where the host time without plans came out
     lower (host times drift), the sentence says in how many calls and by how much, rather than a negative saving."""
     import pandas as pd
 
@@ -663,7 +663,7 @@ def test_the_launch_plans_sentence_says_where_clearing_them_came_out_faster():
 
 
 def test_host_times_are_taken_in_turns_and_keep_the_fastest(monkeypatch):
-    """The host cells of lessons 12 and 13 (GPU only) time every call once per round, in turn, and keep each
+    """The host cells of lessons 13 and 14 (GPU only) time every call once per round, in turn, and keep each
     call's fastest."""
     seen, times = [], iter([5.0, 3.0, 9.0, 4.0, 1.0, 2.0])
     monkeypatch.setattr(PROFILE, "host_ms", lambda fn: (seen.append(fn()), next(times))[1])
@@ -673,13 +673,13 @@ def test_host_times_are_taken_in_turns_and_keep_the_fastest(monkeypatch):
 
 
 def _per_call(host, gpu, calls):
-    """Lesson 12's exercise 2, answered by reasoning: the slower side's pace for every call, plus the faster
+    """Lesson 13's exercise 2, answered by reasoning: the slower side's pace for every call, plus the faster
     side's one call that nothing hides (the first enqueue, or the last kernel)."""
     return (max(host, gpu) * calls + min(host, gpu)) / calls
 
 
 def test_the_pacing_timeline_follows_the_slower_side():
-    """Lesson 12's picture: back to back, calls go at the pace of the slower of host and GPU."""
+    """Lesson 13's picture: back to back, calls go at the pace of the slower of host and GPU."""
     enqueues, kernels = PROFILE.timeline(host=1.0, gpu=1.6, calls=5)
     assert [start for start, _ in enqueues] == pytest.approx([1.0 * i for i in range(5)])
     assert [start for start, _ in kernels] == pytest.approx([1.0 + 1.6 * i for i in range(5)])  # back to back
@@ -727,7 +727,7 @@ def test_exercise_per_call(capsys):
 
 
 def test_the_persistence_gain_is_a_range_where_its_timings_spread():
-    """Lesson 12's gain of one program per SM, by GPU time: one ratio of the fastest timings where both launches'
+    """Lesson 13's gain of one program per SM, by GPU time: one ratio of the fastest timings where both launches'
     timings agree within the kit's limit, else the lowest to the highest ratio they allow."""
     def measured(*gpu_ms):
         m = PROFILE.kit.Measured()
@@ -811,7 +811,7 @@ def test_negated_views_are_read_as_their_values(version, rng):
     check(VERSIONS[version], torch._neg_view(q), k, torch._neg_view(v), True, rng)
 
 
-# Every public attention: off Hopper, lessons 11 and 13 run their own autograd functions over lesson 06's kernels.
+# Every public attention: off Hopper, lessons 11 and 14 run their own autograd functions over lesson 06's kernels.
 ENTRIES = {**VERSIONS, "hopper-forward": HOPPER_FWD.attention, "hopper": HOPPER.attention}
 
 
@@ -932,7 +932,7 @@ def check_heads(q, k, v, out, do, D):
             assert_matches(got[b:b + 1, h:h + 1], want, torch.float16, f"{name} at b={b}, h={h}")
 
 
-# The tables that tools/tune.py measured and wrote into tuned_tables.json, as lessons 06, 11 and 13 read them.
+# The tables that tools/tune.py measured and wrote into tuned_tables.json, as lessons 06, 11 and 14 read them.
 CASES = [(D, causal, bucket) for D in (64, 128) for causal in (False, True) for bucket in V2.TUNED_ON["buckets"]]
 
 
@@ -1030,7 +1030,7 @@ def test_the_host_cells_read_a_benchmark_rate_back_as_time_per_call():
 
 
 def test_the_host_cells_set_host_time_beside_the_benchmarks_two_times(monkeypatch, capsys):
-    """Lessons 12 and 13's pacing_rows: each call's GPU and back-to-back times from its own row of the benchmark
+    """Lessons 13 and 14's pacing_rows: each call's GPU and back-to-back times from its own row of the benchmark
     (the right provider, case and mode), its host time measured (also without launch plans, for ours only), in
     microseconds, and a verdict read with the larger of the two spreads."""
     import pandas as pd

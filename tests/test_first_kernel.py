@@ -260,7 +260,7 @@ def test_the_loop_verdict_names_where_ours_falls_behind_only_in_a_loop():
     line = kit.loop_verdict(gpu, b2b, "ours", ["peer"])
     assert "runs at 0.26x to 0.35x peer at N = 16384, 131072, 1048576," in line
     assert "by GPU time it runs at 1.01x to 1.09x" in line
-    assert "host" in line and "lesson 12" in line and "67108864" not in line
+    assert "host" in line and "lesson 13" in line and "67108864" not in line
 
 
 def test_the_loop_verdict_blames_no_host_where_the_gpu_time_is_as_far_behind():

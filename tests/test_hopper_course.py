@@ -1,8 +1,8 @@
-"""Lessons 11 and 13 as a course: the roles' timeline follows the ring's rules, the register layout drawn is the
+"""Lessons 11 and 14 as a course: the roles' timeline follows the ring's rules, the register layout drawn is the
 kernel's own, the shared-memory budget computed from the constexprs agrees with the kernel compiled for sm_90a (on a
 CPU too, where a fresh Python compiles it), the backward's ownership picture, the backward's exchange of dS^T (the
 model is the kernel's order, no interleaving of the two groups breaks it, and its timeline keeps the barriers' rules),
-and lesson 12's exercise 3 check, which accepts the right depths and rejects realistic wrong ones. The solution lives
+and lesson 13's exercise 3 check, which accepts the right depths and rejects realistic wrong ones. The solution lives
 here, not on the page."""
 
 import inspect
@@ -19,8 +19,8 @@ matplotlib.use("Agg")
 
 L09 = load("09-gluon-primer")
 FWD = load("11-hopper-forward-gluon")
-L12 = load("12-hopper-forward-profiled")
-BWD = load("13-hopper-backward-gluon")
+L13 = load("13-hopper-forward-profiled")
+BWD = load("14-hopper-backward-gluon")
 SOLUTION = {64: 5, 32: 11}  # the deepest rings of 64- and 32-key tiles at D = 128 on an H100
 
 
@@ -81,20 +81,20 @@ def test_the_forward_draws_its_own_accumulator_layout():
 
 
 def test_the_budget_from_the_constexprs_agrees_with_the_compiled_kernel():
-    facts = L12.forward_facts([{"D": 64}, {"D": 128}, {"D": 128, "BLOCK_N": 64, "STAGES": 5}])
+    facts = L13.forward_facts([{"D": 64}, {"D": 128}, {"D": 128, "BLOCK_N": 64, "STAGES": 5}])
     configs = [(64, 128, 2), (128, 128, 2), (128, 64, 5)]
     for (D, block_n, stages), f in zip(configs, facts):
-        buffers = sum(L12.shared_buffers(D, block_n, stages).values())
+        buffers = sum(L13.shared_buffers(D, block_n, stages).values())
         assert 0 <= f["shared"] - buffers <= 17 * 1024, (D, block_n, stages, f["shared"], buffers)
         assert (f["warps"], f["reqntid"], f["maxnreg"], f["local"]) == (12, 384, 168, 0)
-    assert L12.shared_buffers(128) == {"Q": 32768, "K": 65536, "V": 65536, "mbarriers": 80}
+    assert L13.shared_buffers(128) == {"Q": 32768, "K": 65536, "V": 65536, "mbarriers": 80}
     assert facts[1]["shared"] <= L09.H100_SHARED_PER_PROGRAM
 
 
 def test_forward_facts_names_what_failed_in_the_compiling_python():
     """On a CPU a fresh Python compiles (RuntimeError naming its error); on a GPU this process (the error itself)."""
     with pytest.raises((RuntimeError, TypeError), match="NO_SUCH_CONSTEXPR"):
-        L12.forward_facts([{"D": 128, "NO_SUCH_CONSTEXPR": 1}])
+        L13.forward_facts([{"D": 128, "NO_SUCH_CONSTEXPR": 1}])
 
 
 def test_the_shared_budget_refuses_a_kernel_smaller_than_its_buffers():
@@ -122,8 +122,8 @@ def test_the_new_diagrams_draw_with_titles():
     figures = {
         "roles": stepkit.draw_roles(FWD.ring_slot, stages=FWD.WS_STAGES),
         "registers": stepkit.draw_register_layout("O, 64 x 64", held),
-        "shared": stepkit.draw_shared_budget({"D = 64": (98400, L12.shared_buffers(64)),
-                                              "not compiled": (None, L12.shared_buffers(128))},
+        "shared": stepkit.draw_shared_budget({"D = 64": (98400, L13.shared_buffers(64)),
+                                              "not compiled": (None, L13.shared_buffers(128))},
                                              limit, "an H100's limit: 227 KiB a program"),
         "ownership": stepkit.draw_program_ownership(512, BWD.WS_BWD_BLOCK_N, 64, walks),
     }
@@ -156,7 +156,7 @@ def test_the_register_layout_picture_refuses_more_registers_than_colours():
         stepkit.draw_register_layout("S", held, zoom=(16, 64))
 
 
-# -- The backward's exchange of dS^T: lesson 13's ds_exchange, the kernel's order -------------------------------------
+# -- The backward's exchange of dS^T: lesson 14's ds_exchange, the kernel's order -------------------------------------
 
 
 def _kernel_exchange(i, group):
@@ -342,11 +342,11 @@ def test_the_exchange_figure_draws_large_for_a_phone():
     plt.close("all")
 
 
-# -- Lesson 12's exercise 3: a narrower tile, a deeper ring ------------------------------------------------------------
+# -- Lesson 13's exercise 3: a narrower tile, a deeper ring ------------------------------------------------------------
 
 
 def test_check_ring_depths_accepts_the_deepest_rings(capsys):
-    L12.check_ring_depths(dict(SOLUTION))
+    L13.check_ring_depths(dict(SOLUTION))
     out = capsys.readouterr().out
     assert "right" in out and "320 with 64-key tiles" in out and "352 with 32-key tiles" in out
 
@@ -361,7 +361,7 @@ def test_check_ring_depths_accepts_the_deepest_rings(capsys):
 ])
 def test_check_ring_depths_rejects_wrong_depths_without_giving_the_answer(depths, why):
     with pytest.raises(AssertionError, match=why) as error:
-        L12.check_ring_depths(depths)
+        L13.check_ring_depths(depths)
     message = str(error.value)
     for block_n, stages in SOLUTION.items():
         if depths[block_n] != stages:
@@ -374,7 +374,7 @@ def test_check_ring_depths_rejects_wrong_depths_without_giving_the_answer(depths
 ])
 def test_check_ring_depths_refuses_what_is_no_answer(depths, error):
     with pytest.raises(error, match="depths"):
-        L12.check_ring_depths(depths)
+        L13.check_ring_depths(depths)
 
 
 HOPPER_PROBE = torch.empty(1, 1, 8, 128, dtype=torch.float16, device=stepkit.DEVICE)
@@ -383,5 +383,5 @@ HOPPER_PROBE = torch.empty(1, 1, 8, 128, dtype=torch.float16, device=stepkit.DEV
 @pytest.mark.skipif(FWD.warp_specialized_unsupported(HOPPER_PROBE, HOPPER_PROBE, HOPPER_PROBE) is not None,
                     reason="runs the Gluon forward: needs a Hopper GPU")
 def test_the_forward_runs_at_the_deeper_rings_on_a_hopper_gpu(capsys):
-    L12.check_ring_depths(dict(SOLUTION))
+    L13.check_ring_depths(dict(SOLUTION))
     assert "by GPU time at N = 2048" in capsys.readouterr().out

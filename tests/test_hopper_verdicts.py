@@ -1,4 +1,4 @@
-"""The verdicts that the Hopper lessons (10 to 13) print from their measured numbers, tested on made-up tables from
+"""The verdicts that the Hopper lessons (10 to 14) print from their measured numbers, tested on made-up tables from
 both sides: each verdict is given where the numbers support it and withheld where they do not. The GPU cells that
 measure the real numbers cannot run here; these functions are what those cells print through. Also the titles
 that Sphinx-Gallery turns into the figures' alt texts."""
@@ -15,17 +15,17 @@ matplotlib.use("Agg")
 
 SOFTMAX = load("10-long-softmax-gluon")
 FWD = load("11-hopper-forward-gluon")
-PROFILE = load("12-hopper-forward-profiled")
-BWD = load("13-hopper-backward-gluon")
+PROFILE = load("13-hopper-forward-profiled")
+BWD = load("14-hopper-backward-gluon")
 LIMIT = stepkit.SPREAD_LIMIT
 
 
-# -- Lesson 12's who_paced: what set the pace back to back ------------------------------------------------------
+# -- Lesson 13's who_paced: what set the pace back to back ------------------------------------------------------
 
 
 @pytest.mark.parametrize("gpu, b2b, host", [(248, 291, 401), (240, 276, 325), (198, 329, 373)])
 def test_a_host_time_longer_than_back_to_back_is_inconsistent_not_host_bound(gpu, b2b, host):
-    """Lesson 13's H100 page called these host-bound 'and the host time accounts for it'. Calls made in a row end
+    """Lesson 14's H100 page called these host-bound 'and the host time accounts for it'. Calls made in a row end
     only after the host has enqueued them all, so a host time measured alone that exceeds back to back past the
     limit says the host ran slower then: no verdict."""
     verdict = PROFILE.who_paced(gpu=gpu, b2b=b2b, host=host, spread=0.02)
@@ -85,14 +85,14 @@ def test_standing_names_the_fastest_and_the_slower_past_the_spread():
 
 
 def test_standing_reads_the_larger_of_the_two_spreads():
-    """Lesson 12's D=64 non-causal case: 94 us each back to back, Gluon's timings 27% apart."""
+    """Lesson 13's D=64 non-causal case: 94 us each back to back, Gluon's timings 27% apart."""
     rates = {"portable": 100.0, "Gluon": 85.0}
     assert FWD.kit.standing("Gluon", rates, {"portable": 0.0, "Gluon": 0.27}) == "tie"
     assert FWD.kit.standing("Gluon", rates, {"portable": 0.27, "Gluon": 0.0}) == "tie"
     assert FWD.kit.standing("Gluon", rates, {"portable": 0.05, "Gluon": 0.05}) == "slower"
 
 
-# -- Lesson 11's default_path and lesson 12's clocks_and_paths: the same count ---------------------------------
+# -- Lesson 11's default_path and lesson 13's clocks_and_paths: the same count ---------------------------------
 
 
 def _results(cases):
@@ -133,8 +133,8 @@ def test_default_path_leaves_out_a_case_where_its_choice_did_not_run(capsys):
     assert "of this run's 3 cases" in capsys.readouterr().out
 
 
-def test_lessons_11_and_12_count_the_table_choice_the_same_way(capsys):
-    """Lesson 11 said 19 of 20 while lesson 12 said 2 of 4, a tie counted as a miss: both now read standing."""
+def test_lessons_11_and_13_count_the_table_choice_the_same_way(capsys):
+    """Lesson 11 said 19 of 20 while lesson 13 said 2 of 4, a tie counted as a miss: both now read standing."""
     results = _results(CASES)
     choice = {(64, False): PORTABLE, (64, True): PORTABLE, (128, False): WS, (128, True): PORTABLE}
 
@@ -224,7 +224,7 @@ def test_the_hopper_diagrams_carry_titles_for_their_alt_texts():
     assert "N = 1024" in _alt_text(figures["host and GPU"])
 
 
-def test_lesson_13s_diagram_writes_transposes_as_mathtext():
+def test_lesson_14s_diagram_writes_transposes_as_mathtext():
     fig = stepkit.draw_split()
     texts = [t.get_text() for ax in fig.axes for t in (*ax.texts, ax.title)]
     assert any("$dS^T$" in text for text in texts)

@@ -8,7 +8,7 @@ import stepkit
 import torch
 from lessons import load
 
-FWD, HOPPER = load("11-hopper-forward-gluon"), load("13-hopper-backward-gluon")
+FWD, HOPPER = load("11-hopper-forward-gluon"), load("14-hopper-backward-gluon")
 V2 = load("06-fused-attention-v2-forward")
 gpu_only = pytest.mark.skipif(not stepkit.ON_GPU, reason="the kernels' host path is a GPU question")
 
@@ -99,7 +99,7 @@ def test_off_a_gpu_nothing_is_kept():
 
 
 @gpu_only
-@pytest.mark.parametrize("lesson", [FWD, HOPPER], ids=["11", "13"])
+@pytest.mark.parametrize("lesson", [FWD, HOPPER], ids=["11", "14"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_settled_calls_match_float64_with_and_without_grad(lesson, causal):
     generator = stepkit.fresh_generator()

@@ -5,7 +5,7 @@
     python tools/tune.py shared-row       # lesson 10's chunk per dtype and row length, or lesson 03's kernel:
                                           # the table "shared-row-chunks"
     python tools/tune.py attention        # the tiles of lessons 06 and 07 ("attention-tiles"), then the fastest
-                                          # forward and backward of lessons 07, 11 and 13 ("forward-paths",
+                                          # forward and backward of lessons 07, 11 and 14 ("forward-paths",
                                           # "backward-paths")
     python tools/tune.py attention-paths 1024 2048   # only the forward and backward choices, at these lengths
 
@@ -59,7 +59,7 @@ LESSON_NAMES = {
     "07-fused-attention-v2-backward": ("_prune_bwd", "BWD_SHAPES", "backward", "attention"),
     "10-long-softmax-gluon": ("SHARED_LENGTHS", "shared_split_row_softmax", "shared_unsupported"),
     "11-hopper-forward-gluon": ("warp_specialized_unsupported", "attention"),
-    "13-hopper-backward-gluon": ("attention",),
+    "14-hopper-backward-gluon": ("attention",),
 }
 
 
@@ -451,7 +451,7 @@ def tune_shared_row(run):
     progress.finish()
 
 
-# -- Attention (lessons 06, 07, 11, 13) ------------------------------------------------------------------------
+# -- Attention (lessons 06, 07, 11, 14) ------------------------------------------------------------------------
 
 TILE_KERNELS = {"fwd": "attn_fwd_kernel", "dq": "attn_bwd_dq_kernel", "dkdv": "attn_bwd_dkdv_kernel",
                 "dkdv-atomic": "attn_bwd_dkdv_kernel"}
@@ -580,7 +580,7 @@ def fastest_paths(run, case):
     user's calls in a row see it (the slower of host and GPU); on a near-tie, the one the host paces least
     (steadiest_of_the_fastest). Times the first SDPA peer beside them and prints what it measured."""
     V2_BWD = Lesson("07-fused-attention-v2-backward")
-    FWD, HOPPER = Lesson("11-hopper-forward-gluon"), Lesson("13-hopper-backward-gluon")
+    FWD, HOPPER = Lesson("11-hopper-forward-gluon"), Lesson("14-hopper-backward-gluon")
     D, causal, N = case
     scale = D ** -0.5
     q, k, v = attention_inputs(run.grid, D, N)

@@ -9,7 +9,7 @@ spends its time in matrix multiplications. This lesson builds its forward pass i
 portable Triton, correct for every sequence length, head dimension and masking mode, and
 measures it against PyTorch's cuDNN and flash backends and FlexAttention. The next
 lesson, :doc:`07-fused-attention-v2-backward`, derives and builds the backward pass on
-top of it, and lessons 11 to 13 take the same algorithm to Hopper's warp-specialized
+top of it, and lessons 11 to 14 take the same algorithm to Hopper's warp-specialized
 design (FlashAttention-3, `arXiv:2407.08608 <https://arxiv.org/abs/2407.08608>`_) in
 Gluon.
 
@@ -323,7 +323,7 @@ TUNED_CONFIGS = {(r["kernel"], r["D"], r["causal"], r["N"]): tuple(r["tile"])
 
 def host_cdiv(a, b):
     """ceil(a / b): triton.cdiv without its unwrapping of arguments, microseconds that
-    count where the host paces the GPU (lesson 12 measures the host's time)."""
+    count where the host paces the GPU (lesson 13 measures the host's time)."""
     return -(-a // b)
 
 
@@ -365,7 +365,7 @@ def tuned_case(q, causal):
 # calls for inference, checks its inputs first; asked for gradients, it says that the
 # next lesson's ``attention`` has them.
 #
-# At short lengths the host's work per call matters as much as the GPU's (lesson 12
+# At short lengths the host's work per call matters as much as the GPU's (lesson 13
 # measures both). One large piece is Triton's JIT dispatch: on every call it inspects
 # each of some thirty arguments for what the compiled kernel was specialized on
 # (dtypes, integers equal to 1 or divisible by 16, pointers aligned to 16 bytes), and

@@ -11,7 +11,7 @@ own for :math:`dQ`, and with FlashAttention-2's atomic additions (`tl.atomic_add
 It connects them to PyTorch's autograd and measures both against PyTorch's cuDNN and
 flash backends and FlexAttention. Next: :doc:`08-decode-attention`, attention at one
 query token; the Hopper part, from :doc:`09-gluon-primer` on, takes both passes to
-Gluon (:doc:`11-hopper-forward-gluon`, :doc:`13-hopper-backward-gluon`).
+Gluon (:doc:`11-hopper-forward-gluon`, :doc:`14-hopper-backward-gluon`).
 
 You will learn:
 
@@ -405,7 +405,7 @@ DQ_TUNER = V2.autotuned(attn_bwd_dq_kernel, BWD_SHAPES, _prune_bwd,
 
 def backward_delta(o, do):
     """Delta = rowsum(dO * O) in fp32, shape (B * H, N): the preprocess kernel, for the
-    atomic backward and lesson 13's."""
+    atomic backward and lesson 14's."""
     B, H, N, D = o.shape
     delta = torch.empty((B * H, N), dtype=torch.float32, device=o.device)
     V2.launch_planned(

@@ -7,7 +7,7 @@ what goes through shared memory and which warps do what. Hopper's fastest paths 
 the program to decide: bulk copies by the Tensor Memory Accelerator (TMA), tensor-core
 products reading shared memory (``wgmma``), warps with roles, registers moved to the
 warps that need them. Gluon, Triton's lower-level language, lets a kernel say all of
-it. Lessons 10 to 13 use these pieces together; here each comes alone, in the smallest
+it. Lessons 10 to 14 use these pieces together; here each comes alone, in the smallest
 kernel that shows it. You will learn:
 
 * what a *layout* is: which thread holds which element, read from the layout object;

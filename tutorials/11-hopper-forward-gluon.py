@@ -19,7 +19,7 @@ H200), measured beside the portable kernel and cuDNN. You will learn:
   ``attention`` picks the Gluon or portable forward per case, from a measured table.
 
 Previous: :doc:`10-long-softmax-gluon` (:doc:`09-gluon-primer` shows each Gluon piece
-alone); next: :doc:`12-hopper-forward-profiled`. Where Gluon cannot run (a CPU, a GPU
+alone); next: :doc:`12-hopper-forward-steps`. Where Gluon cannot run (a CPU, a GPU
 other than Hopper) the page runs lesson 06's portable forward and says why.
 """
 
@@ -104,7 +104,7 @@ if __name__ == "__main__":
 #   contiguous and other strides positive multiples of 16 bytes (not a head broadcast
 #   by ``expand``); other inputs take the portable kernel.
 # * The tiles are fixed, as the boxes and barriers are sized with them: 128 queries
-#   (two halves of 64) by 128 keys, 2 buffers each for K and V (lesson 12 draws the
+#   (two halves of 64) by 128 keys, 2 buffers each for K and V (lesson 13 draws the
 #   shared memory they take).
 
 # After stepkit, which may switch the interpreter on first:
@@ -161,7 +161,7 @@ if __name__ == "__main__":
 #   odd :math:`n_m` the middle block is a pair alone, at half the cost).
 #
 # Consecutive tiles share a head, so programs running at once share its K and V through
-# L2. Lesson 12 measures what persistence buys.
+# L2. Lesson 13 measures what persistence buys.
 
 @gluon.jit
 def _ws_softmax_step(s, m_i, l_i, qk_scale, rows, cols, N, MASKED: gl.constexpr,
@@ -467,7 +467,7 @@ def _ws_forward(q, k, v, o, lse, causal, sm_scale, programs=None, block_n=WS_BLO
 # time, and its one tile shape is not always the best. So ``attention`` follows
 # ``FORWARD_PATHS``, a table of ``tuned_tables.json`` that ``tools/tune.py attention``
 # measured before this build: per case, the forward whose slower of GPU time and host
-# time per call (the pace back to back; lesson 12 measures both) was the less
+# time per call (the pace back to back; lesson 13 measures both) was the less
 # ("Reading the numbers" counts where this run agrees). ``warp_specialized=None`` runs
 # the table's path (Gluon where it can, in cases the table does not cover), ``True``
 # insists on Gluon (an error says why not), ``False`` the portable kernel. Both forwards
@@ -543,7 +543,7 @@ def use_warp_specialized(q, k, v, causal, sm_scale, warp_specialized):
 # The checks and the path read only the inputs' layout and the flags, and a model calls
 # attention with one layout step after step, on fresh tensors: ``settled_paths`` keeps
 # the path per layout that passed the checks, so later calls skip both, and a call that
-# needs no gradient skips autograd too. Lesson 12 measures what each step costs.
+# needs no gradient skips autograd too. Lesson 13 measures what each step costs.
 SETTLED = {}  # settled_key of a call -> the path chosen for it
 
 
@@ -664,13 +664,13 @@ elif __name__ == "__main__":
 # to back differs. Under the interpreter they illustrate.
 
 WS, PORTABLE, DEFAULT = kit.GLUON_WS, kit.PORTABLE_V2, kit.DEFAULT_PATH
-ATOMIC = V2_BWD.ATOMIC  # lesson 07's atomic backward, which lesson 13 may choose
+ATOMIC = V2_BWD.ATOMIC  # lesson 07's atomic backward, which lesson 14 may choose
 FP8 = "Triton v2 fp8"
 OURS = (WS, PORTABLE, ATOMIC, FP8, DEFAULT)
 PATHS = {WS: "Gluon", PORTABLE: "portable", ATOMIC: "atomic"}  # short names
 INDEX, PEERS = kit.ATTENTION_INDEX, kit.FAST_PEERS
 BASELINES = kit.portable_and_peers(V2_BWD.attention)  # lessons 06 and 07, the peers
-hopper_benchmark = functools.partial(  # (mode, extra_providers, title), lesson 13's too
+hopper_benchmark = functools.partial(  # (mode, extra_providers, title), lesson 14's too
     kit.hopper_benchmark, V2.CASES, V2.SIZES, BASELINES, ours=OURS)
 
 

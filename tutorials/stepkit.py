@@ -1501,7 +1501,7 @@ def back_to_back_note(gpu, b2b, ours, peers):
     column per provider), where back to back (b2b: the same cases) tells
     otherwise: ours slower than by GPU time past SPREAD_LIMIT, or its ratio to the
     fastest peer moved past it. "" where neither. It names no cause: these rates
-    alone cannot tell one (lesson 12 sets host time beside them)."""
+    alone cannot tell one (lesson 13 sets host time beside them)."""
     if gpu is b2b:
         return ""
     slower = gpu[ours] / b2b[ours]
@@ -1535,7 +1535,7 @@ def back_to_back_line(provider, case, ratio):
         )
     return (
         said + ": slower, since GPU time leaves out what happens between calls, "
-        "the host's launches among it (lesson 12 measures them)."
+        "the host's launches among it (lesson 13 measures them)."
     )
 
 
@@ -1619,7 +1619,7 @@ def loop_verdict(gpu, b2b, ours, peers, limit=SPREAD_LIMIT):
         f"{name_cases(loop.index)}, where by GPU time it runs at "
         f"{gpu_there.min():.2f}x to {gpu_there.max():.2f}x: the difference lies "
         "between the kernels, in each call's cost on the host, which for ours is "
-        "a Python launcher and Triton's launch (lesson 12 measures it)."
+        "a Python launcher and Triton's launch (lesson 13 measures it)."
     )
 
 
@@ -1725,7 +1725,7 @@ def spread_summary(results):
 
 
 # -- Attention: the Hopper lessons' benchmark and verdicts -------------------
-# Lessons 11 and 13 race their Gluon kernels against lessons 06 and 07's portable
+# Lessons 11 and 14 race their Gluon kernels against lessons 06 and 07's portable
 # ones and the fastest peers, and read which path their `attention` takes by default.
 
 GLUON_WS = "Triton, warp-specialized (Gluon)"
@@ -2236,7 +2236,7 @@ def draw_ring(ring_slot, blocks=6, stages=2):
 
 
 def draw_split(keys=128, queries=64, D=128):
-    """Lesson 13's split of a query block between two consumer groups: their dK, dV
+    """Lesson 14's split of a query block between two consumer groups: their dK, dV
     accumulators, the shared dS^T, and the dQ tile sent in 32-column boxes."""
     import matplotlib.pyplot as plt
 
@@ -2319,7 +2319,7 @@ def draw_decode_layout(lengths=(13, 5, 9), chunk=4, page=4):
     return fig
 
 
-# Lessons 11 and 13 (Hopper): the roles' timeline by the ring's rules, a register
+# Lessons 11 and 14 (Hopper): the roles' timeline by the ring's rules, a register
 # layout, a shared-memory budget, what the backward's programs own.
 
 
@@ -2478,7 +2478,7 @@ def draw_shared_budget(programs, limit, limit_name):
 
 
 def draw_program_ownership(n, block_n, block_m, walks):
-    """Lesson 13's backward over one head of n keys and queries: one program per key
+    """Lesson 14's backward over one head of n keys and queries: one program per key
     block of block_n keys; walks {program: (first, unmasked_from, last)}, the query
     blocks of block_m rows it walks (masked before unmasked_from). Each program
     writes its keys' rows of dK and dV alone (named above the columns); a query
@@ -2522,11 +2522,11 @@ def draw_program_ownership(n, block_n, block_m, walks):
     return fig
 
 
-# Lesson 13's exchange of dS^T between its two consumer groups.
+# Lesson 14's exchange of dS^T between its two consumer groups.
 
 
 def exchange_timeline(exchange, blocks=3, make=2.5, store=0.5, product=1.0, rest=1.0):
-    """A model of lesson 13's two consumer groups over `blocks` query blocks, each
+    """A model of lesson 14's two consumer groups over `blocks` query blocks, each
     running exchange(i, group), the kernel's steps for block i in its order: (action,
     what, parity) with actions "wait" (barrier, parity), "arrive" (barrier), "store"
     (slot), "sync" (within the group) and "read" (slots). Barriers take two arrivals
@@ -2608,7 +2608,7 @@ def exchange_timeline(exchange, blocks=3, make=2.5, store=0.5, product=1.0, rest
 
 
 def draw_exchange(exchange, blocks=2, half=64, **durations):
-    """Lesson 13's exchange of dS^T between its two consumer groups, as
+    """Lesson 14's exchange of dS^T between its two consumer groups, as
     exchange_timeline (above) schedules it by exchange(i, group): each group's steps,
     the two shared-memory slots, and when each barrier completes a phase (dotted,
     named by the phase's parity above). durations: exchange_timeline's. Large type,

@@ -9,8 +9,8 @@ two forwards apart there with a third clock, a timer on the host, which measures
 long Python, the input checks and the launch take to *enqueue* a call. Then it measures
 one design choice of lesson 11 on its own: the persistent grid, one program per SM,
 against one program per tile; and what a program of it holds, its shared memory, read
-from the kernel compiled for Hopper. Previous lesson: :doc:`11-hopper-forward-gluon`;
-next: :doc:`13-hopper-backward-gluon`.
+from the kernel compiled for Hopper. Previous lesson: :doc:`12-hopper-forward-steps`;
+next: :doc:`14-hopper-backward-gluon`.
 
 You will learn:
 
@@ -642,7 +642,7 @@ def forward_fact(**config):
 
 def forward_facts(configs):
     """forward_fact(**config) for each of configs, on any machine."""
-    return kit.compiled_where_triton_can(forward_fact, "12-hopper-forward-profiled",
+    return kit.compiled_where_triton_can(forward_fact, "13-hopper-forward-profiled",
                                          configs)  # fmt: skip
 
 
@@ -678,10 +678,10 @@ if __name__ == "__main__":
 #
 #    import stepkit as kit
 #
-#    L12 = kit.load_lesson("12-hopper-forward-profiled")
+#    L13 = kit.load_lesson("13-hopper-forward-profiled")
 #    # ... your schedule(n_m, heads, programs), your depths ...
-#    L12.check_schedule(schedule)
-#    L12.check_ring_depths(depths)
+#    L13.check_schedule(schedule)
+#    L13.check_ring_depths(depths)
 #
 # 1. **Balancing causal tiles.** Under causal masking query block :math:`m` of a head
 #    loads :math:`m + 1` key blocks. Write ``schedule(n_m, heads, programs)``

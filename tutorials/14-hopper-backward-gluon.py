@@ -18,9 +18,9 @@ You will learn:
 * how register pressure limits this kernel, and the changes that keep spills down;
 * how to find where a backward's time goes with the CUDA profiler, kernel by kernel.
 
-It runs lesson 07's preprocess, lesson 12's host timer and lesson 11's forward, and
+It runs lesson 07's preprocess, lesson 13's host timer and lesson 11's forward, and
 falls back to lesson 07's backward where Gluon cannot run, and says why. Previous:
-:doc:`12-hopper-forward-profiled`; this is the last of the path (:doc:`list <index>`).
+:doc:`13-hopper-forward-profiled`; this is the last of the path (:doc:`list <index>`).
 """
 
 import functools
@@ -32,7 +32,7 @@ import stepkit as kit  # picks the device; no GPU: the Triton interpreter
 V2 = kit.load_lesson("06-fused-attention-v2-forward")
 V2_BWD = kit.load_lesson("07-fused-attention-v2-backward")
 FWD = kit.load_lesson("11-hopper-forward-gluon")
-PROFILE = kit.load_lesson("12-hopper-forward-profiled")
+PROFILE = kit.load_lesson("13-hopper-forward-profiled")
 
 # %%
 # Five products, one program per key block
@@ -503,7 +503,7 @@ if __name__ == "__main__":
     reason = FWD.say_which_runs("backward", "lessons 06 and 07's kernels")
     # The tables pick lesson 07's kernels (tested there) in some cases: insist on Gluon.
     checked = functools.partial(attention, warp_specialized=None if reason else True)
-    kit.check_attention_cases(checked, "13-hopper-backward-gluon")
+    kit.check_attention_cases(checked, "14-hopper-backward-gluon")
 
 # %%
 # Benchmark
@@ -562,7 +562,7 @@ if __name__ == "__main__":
     defaults, paths = kit.default_path(results, default_backward, peers,
                                        "BACKWARD_PATHS", FWD.PATHS)
     ran = [c for c in (WS, PORTABLE, ATOMIC) if c in results["provider"].values]
-    kit.save_results("13-hopper-backward-gluon", [{
+    kit.save_results("14-hopper-backward-gluon", [{
         "name": "attention backward, "
         f"{'warp-specialized' if WS in ran else 'no Gluon kernel ran'}",
         "unit": "TFLOP/s", "ceiling_name": kit.MATMUL_CEILING, "ceiling": peak,
@@ -573,10 +573,10 @@ paths if __name__ == "__main__" else None
 # %%
 # The host at the smallest size
 # -----------------------------
-# At the smallest size the host's share of a call is largest (lesson 12): a backward is
+# At the smallest size the host's share of a call is largest (lesson 13): a backward is
 # a few Python launches (two-pass: two kernels; atomic and Gluon: the preprocess, the
 # main kernel, zeroing and converting the fp32 :math:`dQ`) after PyTorch's autograd
-# engine. Lesson 12's ``pacing_rows`` sets each backward's host time, measured now,
+# engine. Lesson 13's ``pacing_rows`` sets each backward's host time, measured now,
 # beside its GPU and back-to-back times, read by ``who_paced``, and beside the host's
 # floor for a Python backward: an autograd function whose backward launches nothing, the
 # same work in every case, so its range shows how far host times drift. cuDNN's backward
@@ -744,9 +744,9 @@ elif __name__ == "__main__":
 #
 #    import stepkit as kit
 #
-#    L13 = kit.load_lesson("13-hopper-backward-gluon")
+#    L14 = kit.load_lesson("14-hopper-backward-gluon")
 #    # ... your query_block_range(start_n, block_n, block_m, n) ...
-#    L13.check_query_block_range(query_block_range)
+#    L14.check_query_block_range(query_block_range)
 #
 # 1. **Which query blocks need the mask.** A backward program owns keys ``start_n`` to
 #    ``start_n + block_n - 1`` and, with causal masking, walks query blocks of
