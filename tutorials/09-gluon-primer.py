@@ -603,7 +603,8 @@ if SHOW:
     moves = partition_registers(two_groups, [_ring_consumer, _ring_producer])
     facts = compiled_facts(two_groups)
     (consumer,), (producer,) = moves["_ring_consumer"], moves["_ring_producer"]
-    print(f"{facts['warps']} warps launch for 4 + 4 + 1 that work; where each role's "
+    print(f"{facts['warps']} warps launch for the 9 that work (two groups of 4, a "
+          f"loader of 1); where each role's "
           f"code starts, setmaxnreg sets {consumer} (consumers), {producer} (loader)")
     print(f"budget: 128 x ({consumer} + {consumer} + {producer}) = "
           f"{128 * (2 * consumer + producer):,} of 65,536 registers; at launch "

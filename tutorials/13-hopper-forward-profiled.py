@@ -611,7 +611,7 @@ elif __name__ == "__main__":
 # its own (scratch, alignment; the chart shows how many, this page does not take them
 # apart). An H100 gives a program at most 227 KiB: a third stage of 128-key tiles fits
 # at :math:`D = 64`, not at 128 (exercise 3 goes on). The warps and registers printed
-# are lesson 09's: 4 + 4 + 1 working warps padded to three warp groups.
+# are lesson 09's: 9 working warps (two groups of 4, a loader) padded to 3 groups.
 
 
 def shared_buffers(D, block_n=FWD.WS_BLOCK_N, stages=FWD.WS_STAGES):
