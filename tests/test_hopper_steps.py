@@ -102,3 +102,16 @@ def test_every_step_matches_float64():
 def test_the_third_stage_check_runs_and_checks_its_output():
     ratio = L12.check_third_stage(N=2048)
     assert ratio > 0
+
+
+def test_the_summary_reads_the_gains_per_head_dim(capsys):
+    steps = list(L12.STEPS)
+    rows = {(D, causal, N): dict(zip(steps, rates)) for D, rates in (
+        (64, [100, 90, 95, 120, 130]), (128, [100, 95, 80, 140, 150])) for causal in (False, True)
+        for N in L12.LENGTHS}
+    L12.summary(_results(rows, {}))
+    printed = capsys.readouterr().out
+    assert "D = 64: the step with the best worst case is 3 + roles (1.26x to 1.26x); 1 TMA + wgmma lost" in printed
+    assert ("D = 128: the step with the best worst case is 3 + roles (1.75x to 1.75x); 1 TMA + wgmma, 2 + ring "
+            "lost") in printed
+    assert "all four: 1.30x to 1.30x" in printed and "all four: 1.50x to 1.50x" in printed

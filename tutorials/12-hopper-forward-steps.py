@@ -34,10 +34,12 @@ FWD = kit.load_lesson("11-hopper-forward-gluon")
 # %%
 # The steps
 # ---------
-# Each step keeps everything before it and adds one thing:
+# Step 0 is where Hopper's Triton already stands; steps 1 to 4 each build on the one
+# before, by hand, in Gluon:
 #
 # 0. **Portable** (lesson 06): every warp loads with pointer arithmetic, multiplies
-#    with ``tl.dot``, computes exponentials, in turn.
+#    with ``tl.dot`` and computes exponentials, with a tile tuned per case; Triton's
+#    compiler picks the instructions and pipelines the loads (``num_stages``).
 # 1. **TMA and wgmma, in order.** One warp group (4 warps) owns 64 query rows. For each
 #    key block it asks TMA to copy K and V into shared memory, waits on an mbarrier,
 #    and runs :math:`S = QK^\top` and :math:`O \mathrel{+}= PV` on ``wgmma`` with the
@@ -47,10 +49,11 @@ FWD = kit.load_lesson("11-hopper-forward-gluon")
 #    issued before block :math:`j` computes, into the other buffer, so that the copy
 #    can hide behind the compute.
 # 3. **Roles** (lesson 11's kernel, one program per tile, or per pair of tiles under
-#    causal masking): a loader warp issues every copy; two consumer groups of 64 rows
-#    each share every K and V tile (128 query rows a program: half the loads per query
-#    of step 2) and keep a product in flight while they compute exponentials.
-#    ``setmaxnreg`` gives them the registers the loader does not need.
+#    causal masking): everything lesson 11 built but persistence, at once. A loader
+#    warp issues every copy; two consumer groups of 64 rows each share every K and V
+#    tile (128 query rows a program: half the loads per query of step 2), keep a
+#    product in flight while they compute exponentials, and store O 16 bytes at a time
+#    through shared memory; ``setmaxnreg`` gives them the loader's spare registers.
 # 4. **Persistence** (lesson 11's kernel as ``attention`` runs it): one program per
 #    SM, walking tile after tile (causal: equal-cost pairs), so that a program loads
 #    its next tile while it finishes the last.
@@ -201,10 +204,11 @@ STEPS = {  # name: forward(q, k, v, causal, sm_scale)
 # %%
 # Two schedules
 # -------------
-# A model of one program's first key blocks, not a measurement: a copy takes
-# ``copy`` time units, a block's products and exponentials ``compute``. In order (one
-# stage), each block waits for its own copy; with two stages, block :math:`j + 1`'s copy
-# runs during block :math:`j`'s compute, and the tensor cores wait only for the first.
+# A model of one program alone on an SM, not a measurement: a copy takes ``copy`` time
+# units, a block's products and exponentials ``compute``. In order (one stage), each
+# block waits for its own copy; with two stages, block :math:`j + 1`'s copy runs during
+# block :math:`j`'s compute, and the tensor cores wait only for the first. Programs side
+# by side on one SM change the picture ("Programs side by side" below).
 
 
 def schedule(blocks, stages, copy=1.0, compute=1.6):
@@ -230,10 +234,10 @@ def draw_schedules(blocks=5):
         for j, (c0, c1, m0, m1) in enumerate(schedule(blocks, stages)):
             ax.barh(1, c1 - c0, left=c0, color="#7f7f7f", height=0.6)
             ax.barh(0, m1 - m0, left=m0, color="#3b7dd8", height=0.6)
-            ax.text((c0 + c1) / 2, 1, f"K{j} V{j}", ha="center", va="center",
-                    color="white", fontsize=9)
+            ax.text((c0 + c1) / 2, 1, f"K{j}V{j}", ha="center", va="center",
+                    color="white", fontsize=10)
             ax.text((m0 + m1) / 2, 0, f"block {j}", ha="center", va="center",
-                    color="white", fontsize=9)
+                    color="white", fontsize=10)
         end = schedule(blocks, stages)[-1][3]
         ax.set(yticks=[0, 1], yticklabels=["products, exp", "TMA copy"])
         ax.set_title(f"{stages} stage{'s' if stages > 1 else ''}: {blocks} blocks "
@@ -311,7 +315,7 @@ if __name__ == "__main__" and reason is None:
              for causal in (False, True) for N in LENGTHS]
     results, gpu, _ = kit.case_benchmark(cases, step_timers, step_flops)
 # TFLOP/s by GPU time: a row per case, a column per step.
-gpu.round(0) if __name__ == "__main__" and reason is None else None
+gpu.round().astype(int) if __name__ == "__main__" and reason is None else None
 
 # %%
 # The gain of each step over the one before it, per case (above 1: faster). Where the
@@ -348,8 +352,16 @@ def summary(results):
         print(f"step {after}: {short.min():.2f}x to {short.max():.2f}x the step before "
               f"at N = {LENGTHS[0]}, {long.min():.2f}x to {long.max():.2f}x at "
               f"N = {LENGTHS[-1]}")
-    total = rates[names[-1]] / rates[names[0]]
-    print(f"all four: {total.min():.2f}x to {total.max():.2f}x the portable kernel")
+    for D, by_d in rates.groupby(level="D"):
+        gains = {after: by_d[after] / by_d[before] for before, after in
+                 zip(names, names[1:])}  # fmt: skip
+        best = max(gains, key=lambda name: gains[name].min())
+        lost = [name for name, gain in gains.items() if (gain < 1).all()]
+        total = by_d[names[-1]] / by_d[names[0]]
+        print(f"D = {D}: the step with the best worst case is {best} "
+              f"({gains[best].min():.2f}x to {gains[best].max():.2f}x); "
+              f"{', '.join(lost) or 'no step'} lost in every case; all four: "
+              f"{total.min():.2f}x to {total.max():.2f}x the portable kernel")
 
 
 def draw_steps(results):
@@ -370,8 +382,9 @@ def draw_steps(results):
         ax.set_xticks([c + 0.4 - width / 2 for c in range(len(table))],
                       [f"D={D}{', causal' if c else ''}" for D, c in table.index])
         ax.set(ylabel="TFLOP/s (GPU time)", title=f"N = {N}")
-    axes[0].legend(ncol=3, fontsize=9, loc="upper left")
-    fig.tight_layout()
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=3,
+               fontsize=10, frameon=False)  # below the panels, clear of the bars
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     return fig
 
 
@@ -385,8 +398,8 @@ step_gains(results) if __name__ == "__main__" and reason is None else None
 # ---------------------
 # The step kernel's shared memory, from its buffers and as compiled for ``sm_90a``
 # (lesson 09's ``compile_for_hopper``, no GPU needed): Q's 64 rows, ``STAGES`` buffers
-# each of K and V, an mbarrier per buffer and one for Q; the compiled kernel adds what
-# Triton allocates on its own (the layout conversions' scratch).
+# each of K and V, an mbarrier per buffer and one for Q; the compiled kernel (causal)
+# adds what Triton allocates on its own, printed apart.
 
 
 def step_buffers(D, stages, block_n=STEP_BLOCK_N):
@@ -445,12 +458,14 @@ if __name__ == "__main__":
 
 
 def step_programs_per_sm(D, stages):
-    """CUDA's count of attn_fwd_step_kernel's programs that one SM holds (fp16)."""
+    """(CUDA's count of attn_fwd_step_kernel's programs that one SM holds, registers
+    a thread) of the kernel as loaded (fp16, not causal, as the benchmark's first)."""
     q = torch.zeros(1, 1, STEP_ROWS, D, device=kit.DEVICE, dtype=torch.float16)
     o, lse = torch.empty_like(q), torch.empty(1, STEP_ROWS, device=kit.DEVICE)
     kernel = step_launch(q, q, q, o, lse, False, 1.0, stages)
     kernel._init_handles()  # loaded by the launch already; lesson 03 does the same
-    return kit.load_lesson("03-long-softmax").programs_per_sm(kernel, 4)
+    held = kit.load_lesson("03-long-softmax").programs_per_sm(kernel, 4)
+    return held, kernel.n_regs
 
 
 if __name__ == "__main__" and reason is None:
@@ -458,9 +473,10 @@ if __name__ == "__main__" and reason is None:
                                 values="gpu_value")
     ring = (rates["2 + ring"] / rates["1 TMA + wgmma"])
     for D in FWD.WS_HEAD_DIMS:
-        held = [step_programs_per_sm(D, stages) for stages in (1, 2)]
-        print(f"D = {D}: {held[0]} programs per SM in order, {held[1]} with the ring; "
-              f"the ring's gain {ring[D].min():.2f}x to {ring[D].max():.2f}x")
+        (one, r1), (two, r2) = (step_programs_per_sm(D, s) for s in (1, 2))
+        print(f"D = {D}: {one} programs per SM in order ({r1} registers a thread), "
+              f"{two} with the ring ({r2}); the ring's gain {ring[D].min():.2f}x to "
+              f"{ring[D].max():.2f}x")
 
 # %%
 # Exercises
@@ -475,7 +491,7 @@ if __name__ == "__main__" and reason is None:
 #    ``L12.check_deepest_ring({64: stages, 128: stages})``: it compiles the kernel for
 #    ``sm_90a`` at your depths and one deeper, no GPU needed.
 # 2. **Does a third stage pay?** On a Hopper GPU, time ``step_forward`` with
-#    ``stages=3`` against ``stages=2`` at :math:`N = 16384` by GPU time
+#    ``stages=3`` against ``stages=2`` at :math:`N = 16384`, :math:`D = 64`, by GPU time
 #    (``kit.time_calls({name: kit.call_timer(...)})``) and explain the result from the
 #    picture of the two schedules: what would a third buffer let run earlier?
 #    ``L12.check_third_stage()`` times both, checks the three-stage output against
