@@ -272,4 +272,4 @@ def test_spread_summary_names_the_whole_case_of_its_largest_spreads():
     line = kit.spread_summary(rows)
     assert "the largest 12% (ours, D=128, causal=True, mode=fwd, N=4096)" in line
     assert "back to back the largest is 30% (ours, D=128, causal=True, mode=fwd, N=4096)" in line
-    assert "1 of 2 timings by GPU time spread past 10%" in line
+    assert "1 of 2 timings by GPU time (1 back to back) spread past 10%" in line

@@ -79,12 +79,12 @@ if __name__ == "__main__":
 
 # %%
 # The roles by these rules (``kit.role_timeline``), a model, not a measurement: copies
-# take half a product (a guess), both groups share the SM's tensor cores, and an
-# exponential per score costs about one product's :math:`2D` FLOPs per score at
-# :math:`D = 128` (the paper's rates, "Reading the numbers"). The tensor cores idle
-# only while the first blocks arrive: each group's exponentials run under the other's
-# products with no turn-taking in the kernel, which is why it has no explicit ping-pong
-# (FlashAttention-3's paper adds one). The loader's waits on "empty" show too.
+# take half a product (a guess), both groups share the SM's tensor cores, and a
+# block's exponentials take as long as one of its two products (:math:`2D` FLOPs a
+# score) at :math:`D = 128` (the paper's rates, "Reading the numbers"). The tensor
+# cores idle only while the first blocks arrive: each group's exponentials run under
+# the other's products with no turn-taking in the kernel, which is why it has no
+# explicit ping-pong (FlashAttention-3's paper adds one). Loader waits on "empty" show.
 
 if __name__ == "__main__":
     kit.draw_roles(ring_slot, blocks=4, stages=WS_STAGES, exp=989 / (2 * 128 * 3.9))

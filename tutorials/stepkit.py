@@ -1717,10 +1717,16 @@ def spread_summary(results):
             f"; back to back the largest is {worst_b2b['spread']:.0%} "
             f"({where(worst_b2b)})"
         )
+    also = (
+        f" ({(results['spread'] > SPREAD_LIMIT).sum()} back to back)"
+        if column == "gpu_spread"
+        else ""
+    )
     return line + (
-        f". {ranged} of {len(results)} timings by {by} spread past {SPREAD_LIMIT:.0%} "
-        f"after {MAX_PASSES} passes and show as ranges. Differences smaller than the "
-        "spread are noise; larger ones can be too, as the clocks drift between passes."
+        f". {ranged} of {len(results)} timings by {by}{also} spread past "
+        f"{SPREAD_LIMIT:.0%} after {MAX_PASSES} passes and show as ranges, in either "
+        "table. Differences smaller than the spread are noise; larger ones can be "
+        "too, as the clocks drift between passes."
     )
 
 
