@@ -128,8 +128,14 @@ def test_the_attention_sweep_writes_tiles_and_paths(tmp_path):
     for kernel, tile in tiles.items():
         assert tuple(tile) in shapes["fwd" if kernel == "fwd" else "bwd"]
     # No Gluon kernel under the interpreter: lessons 06 and 07's paths, and lesson 05's peer timed beside them.
-    assert tables["forward-paths"]["rows"] == [{"D": 16, "causal": False, "N": 64, "path": "portable"}]
-    assert tables["backward-paths"]["rows"][0]["path"] in ("two-pass", "atomic")
+    (forward,) = tables["forward-paths"]["rows"]
+    assert {key: forward[key] for key in ("D", "causal", "N", "path", "captured")} == {
+        "D": 16, "causal": False, "N": 64, "path": "portable", "captured": "portable"}  # no GPU time: the eager pick
+    assert list(forward["ms"]) == ["portable"] and forward["ms"]["portable"]["gpu"] is None
+    assert forward["ms"]["portable"]["b2b"] > 0
+    backward = tables["backward-paths"]["rows"][0]
+    assert backward["path"] in ("two-pass", "atomic") and backward["captured"] == backward["path"]
+    assert set(backward["ms"]) == {"two-pass", "atomic"}
     assert {("SDPA math", "fwd"), ("SDPA math", "bwd")} <= set(timing.timed)
     assert timing.timed.count("attn_fwd_kernel") == len(shapes["fwd"])  # every candidate tile, once
     assert progress_files(tmp_path) == []
@@ -156,8 +162,11 @@ def test_the_paths_only_sweep_replaces_the_paths_at_its_lengths(tmp_path):
     tables = run_tool(out, "attention-paths", "64", timing=StandIn(lambda key: times.get(key, (1.0, 1.0))))
     assert tables["attention-tiles"] == before["attention-tiles"]
     backward = tables["backward-paths"]
-    assert backward["rows"] == [{"D": 16, "causal": False, "N": 64, "path": "atomic"},
-                                before["backward-paths"]["rows"][1]]  # N = 128 kept
+    # Replayed from a CUDA graph the host's pace is gone: by GPU time two-pass is twice as fast.
+    ms = {"two-pass": {"gpu": 0.5, "b2b": 1.0}, "atomic": {"gpu": 1.02, "b2b": 1.02}}
+    assert backward["rows"] == [{"D": 16, "causal": False, "N": 64, "path": "atomic", "captured": "two-pass",
+                                 "ms": ms},
+                                before["backward-paths"]["rows"][1]]  # N = 128 kept, as it was written
     assert backward["tool"] == ("tools/tune.py attention-paths 64 --grid small (D = 16; causal = False; N = 64); "
                                 "tools/tune.py attention (the rest)")
 
@@ -316,3 +325,11 @@ def test_the_tiles_in_force_apply_to_their_case_and_are_undone():
         assert V2.TUNED_CONFIGS[("fwd", 64, True, 128)] == (64, 64, 4, 3)
     with tune.tiles_in_force({}, case=(64, False, 2048)):
         assert V2.tuned_case(q, True) == (64, False, 2048)
+
+
+def test_the_captured_pick_is_the_fastest_by_gpu_time():
+    # Measured on an H100 at D = 128, N = 1024 (ms by GPU time): the host paced Gluon back to back, so one run's
+    # eager pick was portable; replayed from a CUDA graph Gluon is the faster by 1.33x.
+    assert tune.captured_pick({"portable": 0.1427, "gluon": 0.1071}) == "gluon"
+    assert tune.captured_pick({"portable": 0.1000, "gluon": 0.0980}) == "gluon"  # no near-tie rule
+    assert tune.captured_pick({"two-pass": 1.0, "atomic": 1.2, "gluon": 0.9}) == "gluon"

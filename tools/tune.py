@@ -169,18 +169,20 @@ def host_excess_ms(measured):
 
 # -- The tables file ---------------------------------------------------------------------------------------------
 
-# Each table's fields in the order its rows hold them; the last is the value, the others the case.
+# Each table's fields in the order its rows hold them: (the case's, the values'). A path row's values are the
+# eager pick, the pick for calls captured in a CUDA graph, and both times of every path; rows written before
+# the last two existed hold the first alone.
 TABLE_FIELDS = {
-    "attention-tiles": ("kernel", "D", "causal", "N", "tile"),
-    "forward-paths": ("D", "causal", "N", "path"),
-    "backward-paths": ("D", "causal", "N", "path"),
-    "shared-row-chunks": ("dtype", "N", "chunk"),
+    "attention-tiles": (("kernel", "D", "causal", "N"), ("tile",)),
+    "forward-paths": (("D", "causal", "N"), ("path", "captured", "ms")),
+    "backward-paths": (("D", "causal", "N"), ("path", "captured", "ms")),
+    "shared-row-chunks": (("dtype", "N"), ("chunk",)),
 }
 
 
 def case_of(table, row):
-    """A row's case: its fields other than the value, in order."""
-    return tuple(row[field] for field in TABLE_FIELDS[table][:-1])
+    """A row's case: its case fields, in order."""
+    return tuple(row[field] for field in TABLE_FIELDS[table][0])
 
 
 def platform():
@@ -264,15 +266,16 @@ class Tables:
         write_atomically(self.path, tables_text(tables))
 
     def merged(self, name, current):
-        fields = TABLE_FIELDS[name]
+        case_fields, value_fields = TABLE_FIELDS[name]
         mine = self.rows[name]
         kept = {case_of(name, row): row for row in (current or {}).get("rows", []) if case_of(name, row) not in mine}
-        rows = [dict((field, row[field]) for field in fields) for _, row in sorted({**kept, **mine}.items())]
+        rows = [{field: row[field] for field in (*case_fields, *value_fields) if field in row}
+                for _, row in sorted({**kept, **mine}.items())]
         started = self.started.get(name)
         if not kept or started is None:
             tool = self.command
         else:
-            tool = f"{self.command} ({describe_cases(mine, fields[:-1])}); {started['tool']} (the rest)"
+            tool = f"{self.command} ({describe_cases(mine, case_fields)}); {started['tool']} (the rest)"
         today = datetime.date.today().isoformat()
         return {"tool": tool, "measured_on": dict(platform(), date=today), "rows": rows}
 
@@ -495,6 +498,14 @@ def steadiest_of_the_fastest(cost, host, tied=PATH_TIED):
     return min(near, key=lambda path: (host[path], cost[path]))
 
 
+def captured_pick(gpu_ms):
+    """The path to run where the host is out of the way (a call captured in a CUDA graph), from {path: GPU
+    milliseconds per call}: the fastest by GPU time. No near-tie rule: GPU times repeat to a few percent from
+    run to run, and two runs on H100s picked alike in all 16 cases at N = 1024 and 2048 (the eager picks, paced
+    by the host, differed in 10)."""
+    return min(gpu_ms, key=gpu_ms.get)
+
+
 def attention_inputs(grid, D, N, requires_grad=True):
     return [torch.randn(grid.batch, grid.heads[D], N, D, device=kit.DEVICE, dtype=torch.float16,
                         requires_grad=requires_grad) for _ in range(3)]
@@ -575,10 +586,12 @@ def tile_rows(case, times):
 
 
 def fastest_paths(run, case):
-    """(forward path, backward path) to run in one case, with the tiles in force: the faster forward (Gluon or
-    portable) and the fastest backward (Gluon, two-pass or atomic), by the time per call back to back, as a
-    user's calls in a row see it (the slower of host and GPU); on a near-tie, the one the host paces least
-    (steadiest_of_the_fastest). Times the first SDPA peer beside them and prints what it measured."""
+    """(forward, backward) picks in one case, with the tiles in force, each {"path", "captured", "ms"}: "path"
+    the faster forward (Gluon or portable) or the fastest backward (Gluon, two-pass or atomic) by the time per
+    call back to back, as a user's calls in a row see it (the slower of host and GPU), on a near-tie the one
+    the host paces least (steadiest_of_the_fastest); "captured" the pick by GPU time, for calls replayed from
+    a CUDA graph (captured_pick); "ms" both times of every path. Times the first SDPA peer beside them and
+    prints what it measured."""
     V2_BWD = Lesson("07-fused-attention-v2-backward")
     FWD, HOPPER = Lesson("11-hopper-forward-gluon"), Lesson("14-hopper-backward-gluon")
     D, causal, N = case
@@ -601,14 +614,21 @@ def fastest_paths(run, case):
         ran = [path for path in paths if (path, mode) in measured]
         cost = {path: min(measured[path, mode].b2b) for path in ran}
         host = {path: host_excess_ms(measured[path, mode]) for path in ran}
-        chosen[mode] = steadiest_of_the_fastest(cost, host)
+        gpu = {path: min(measured[path, mode].gpu) for path in ran if measured[path, mode].gpu}
+        eager = steadiest_of_the_fastest(cost, host)
+        # Both picks and both figures: the eager pick by the pace back to back, the captured one by GPU time
+        # (under the interpreter, which has no GPU time, the eager pick).
+        chosen[mode] = {"path": eager, "captured": captured_pick(gpu) if gpu else eager,
+                        "ms": {path: {"gpu": round(gpu[path], 5) if path in gpu else None,
+                                      "b2b": round(cost[path], 5)} for path in ran}}
 
     def rates(mode):
         work = kit.attention_flops(run.grid.batch, run.grid.heads[D], N, D, causal, mode) * 1e-9
         return " ".join(f"{path} {work / best_ms(m):.3g}/{work / min(m.b2b):.3g}"
                         for (path, m_mode), m in measured.items() if m_mode == mode)
+    picks = ", ".join(f"{chosen[m]['path']} (captured: {chosen[m]['captured']})" for m in ("fwd", "bwd"))
     print(f"D={D} causal={causal!s:5} N={N:5d} TFLOP/s (GPU time/back to back) fwd {rates('fwd')} | "
-          f"bwd {rates('bwd')} | chose {chosen['fwd']}, {chosen['bwd']}", flush=True)
+          f"bwd {rates('bwd')} | chose {picks}", flush=True)
     return chosen["fwd"], chosen["bwd"]
 
 
@@ -617,8 +637,8 @@ def path_rows(run, cases, tables, progress):
     for case in cases:
         forward, backward = progress.case(("paths", *case), lambda: fastest_paths(run, case))
         D, causal, N = case
-        tables.put("forward-paths", [{"D": D, "causal": causal, "N": N, "path": forward}])
-        tables.put("backward-paths", [{"D": D, "causal": causal, "N": N, "path": backward}])
+        tables.put("forward-paths", [{"D": D, "causal": causal, "N": N, **forward}])
+        tables.put("backward-paths", [{"D": D, "causal": causal, "N": N, **backward}])
 
 
 def tune_attention(run):
