@@ -603,9 +603,8 @@ if SHOW:
     moves = partition_registers(two_groups, [_ring_consumer, _ring_producer])
     facts = compiled_facts(two_groups)
     (consumer,), (producer,) = moves["_ring_consumer"], moves["_ring_producer"]
-    print(f"{facts['warps']} warps launch for the 9 that work (two groups of 4, a "
-          f"loader of 1); where each role's "
-          f"code starts, setmaxnreg sets {consumer} (consumers), {producer} (loader)")
+    print(f"{facts['warps']} warps launch for 9 working (two groups of 4, a loader); "
+          f"setmaxnreg sets {consumer} (consumers), {producer} (loader) as roles start")
     print(f"budget: 128 x ({consumer} + {consumer} + {producer}) = "
           f"{128 * (2 * consumer + producer):,} of 65,536 registers; at launch "
           f"{facts['reqntid']} threads x .maxnreg {facts['maxnreg']} = "
@@ -737,9 +736,10 @@ def _compiled_ring(exercise, **ring):
     try:
         return compile_ring(**ring)
     except triton.CompilationError as error:
-        last = str(error).strip().splitlines()[-1]
+        cause = error.__cause__ or error  # the compiler's own message ends in "^"
+        why = f"{type(cause).__name__}: {kit.error_summary(cause)}"
         raise AssertionError(f"{exercise}: the kernel does not compile for sm_90a: "
-                             f"{last}") from None
+                             f"{why}") from None
 
 
 def check_ring_depth(kernel, stages):
