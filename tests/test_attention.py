@@ -948,9 +948,10 @@ def test_the_tuned_tables_cover_every_case_with_valid_choices():
             assert (block_m % block_n == 0) if name == "fwd" else (block_m <= block_n), config
             assert V2._fits(V2._configs([config])[0], D), config
     assert len(V2.TUNED_CONFIGS) == len(V2.INTERPRETER_CONFIGS) * len(CASES)
-    assert sorted(HOPPER_FWD.FORWARD_PATHS) == sorted(CASES)
+    keys = sorted((*case, captured) for case in CASES for captured in (False, True))  # eager, in a CUDA graph
+    assert sorted(HOPPER_FWD.FORWARD_PATHS) == keys
     assert set(HOPPER_FWD.FORWARD_PATHS.values()) <= {"gluon", "portable"}
-    assert sorted(HOPPER.BACKWARD_PATHS) == sorted(CASES)
+    assert sorted(HOPPER.BACKWARD_PATHS) == keys
     assert set(HOPPER.BACKWARD_PATHS.values()) <= {"gluon", "two-pass", "atomic"}
 
 
@@ -1083,7 +1084,7 @@ def test_tuned_case_applies_on_the_measured_architecture_only(monkeypatch):
 @pytest.mark.parametrize("gluon_runs", [False, True])
 def test_backward_path_follows_the_table_unless_the_caller_chooses(monkeypatch, measured, gluon_runs):
     monkeypatch.setattr(V2, "tuned_case", lambda q, causal: (64, causal, 1024))
-    monkeypatch.setattr(HOPPER, "BACKWARD_PATHS", {(64, True, 1024): measured})
+    monkeypatch.setattr(HOPPER, "BACKWARD_PATHS", {(64, True, 1024, False): measured})
 
     def allowed(q, k, v, warp_specialized, sm_scale):
         if warp_specialized is True and not gluon_runs:
@@ -1113,7 +1114,7 @@ def test_backward_path_follows_the_table_unless_the_caller_chooses(monkeypatch, 
 @pytest.mark.parametrize("measured", ["gluon", "portable"])
 def test_forward_path_follows_the_table_unless_the_caller_chooses(monkeypatch, measured):
     monkeypatch.setattr(V2, "tuned_case", lambda q, causal: (64, causal, 1024))
-    monkeypatch.setattr(HOPPER_FWD, "FORWARD_PATHS", {(64, False, 1024): measured})
+    monkeypatch.setattr(HOPPER_FWD, "FORWARD_PATHS", {(64, False, 1024, False): measured})
     monkeypatch.setattr(HOPPER_FWD, "gluon_allowed", lambda q, k, v, ws, scale: ws is not False)
     q = torch.empty(1, 1, 8, 64, dtype=torch.float16)
     choose = partial(HOPPER_FWD.use_warp_specialized, q, q, q, False, 0.125)
@@ -1121,6 +1122,32 @@ def test_forward_path_follows_the_table_unless_the_caller_chooses(monkeypatch, m
     assert choose(True) is True and choose(False) is False
     monkeypatch.setattr(HOPPER_FWD, "FORWARD_PATHS", {})
     assert choose(None) is True
+
+
+def test_a_call_captured_in_a_cuda_graph_follows_the_pick_by_gpu_time(monkeypatch):
+    # tools/tune.py measured both on an H100 at D = 128, N = 1024: back to back the host paced Gluon (portable
+    # was the eager pick); replayed from a graph Gluon was 1.33x faster.
+    monkeypatch.setattr(V2, "tuned_case", lambda q, causal: (128, causal, 1024))
+    monkeypatch.setattr(HOPPER_FWD, "gluon_allowed", lambda *args: True)
+    monkeypatch.setattr(HOPPER_FWD, "FORWARD_PATHS", {(128, False, 1024, False): "portable",
+                                                      (128, False, 1024, True): "gluon"})
+    monkeypatch.setattr(HOPPER, "BACKWARD_PATHS", {(128, False, 1024, False): "two-pass",
+                                                   (128, False, 1024, True): "gluon"})
+    q = torch.empty(1, 1, 8, 128, dtype=torch.float16)
+    for captured, expected in ((False, (False, "two-pass")), (True, (True, "gluon"))):
+        monkeypatch.setattr(stepkit, "capturing", lambda: captured)
+        assert HOPPER.choose_paths(q, q, q, False, 0.125, None, None) == expected
+    monkeypatch.setattr(stepkit, "capturing", lambda: False)
+    assert stepkit.path_key(None) is None and stepkit.path_key((64, True, 2048)) == (64, True, 2048, False)
+
+
+def test_a_table_without_captured_picks_serves_its_eager_pick_to_captured_calls(monkeypatch):
+    rows = [{"D": 64, "causal": False, "N": 1024, "path": "portable"},  # written before the captured picks
+            {"D": 64, "causal": False, "N": 2048, "path": "portable", "captured": "gluon", "ms": {}}]
+    monkeypatch.setattr(stepkit, "tuned_table", lambda name: {"rows": rows})
+    assert HOPPER_FWD.paths_table("forward-paths") == {
+        (64, False, 1024, False): "portable", (64, False, 1024, True): "portable",
+        (64, False, 2048, False): "portable", (64, False, 2048, True): "gluon"}
 
 
 def test_the_gluon_check_runs_only_when_its_answer_matters(monkeypatch):
@@ -1132,8 +1159,8 @@ def test_the_gluon_check_runs_only_when_its_answer_matters(monkeypatch):
     q = torch.empty(1, 1, 8, 64, dtype=torch.float16)
     for forward, backward, expected in (("portable", "two-pass", 0), ("portable", "atomic", 0),
                                         ("gluon", "two-pass", 1), ("portable", "gluon", 1), ("gluon", "gluon", 1)):
-        monkeypatch.setattr(HOPPER_FWD, "FORWARD_PATHS", {(64, True, 1024): forward})
-        monkeypatch.setattr(HOPPER, "BACKWARD_PATHS", {(64, True, 1024): backward})
+        monkeypatch.setattr(HOPPER_FWD, "FORWARD_PATHS", {(64, True, 1024, False): forward})
+        monkeypatch.setattr(HOPPER, "BACKWARD_PATHS", {(64, True, 1024, False): backward})
         asked.clear()
         assert HOPPER.choose_paths(q, q, q, True, 0.125, None, None) == (forward == "gluon", backward)
         assert len(asked) == expected, (forward, backward, asked)

@@ -18,6 +18,7 @@ def cache_on(monkeypatch):
     """settled_paths as on a GPU, with a layout key that needs no GPU, and a fresh cache; yields the list of
     calls that reached the path choice."""
     monkeypatch.setattr(stepkit, "ON_GPU", True)
+    monkeypatch.setattr(stepkit, "capturing", lambda: False)  # no CUDA to ask here
     monkeypatch.setattr(V2, "plan_key", lambda *ts: tuple((t.shape, t.stride(), t.dtype) for t in ts))
     monkeypatch.setattr(FWD, "SETTLED", {})
     chosen = []
@@ -132,3 +133,13 @@ def test_a_settled_call_skips_the_checks_and_the_choice(monkeypatch):
     assert torch.equal(FWD.attention(q.clone(), k.clone(), v.clone(), False, 0.125), first)
     with pytest.raises(AssertionError, match="ran again"):
         FWD.attention(q, k, v, False, 0.25)  # another scale: not settled
+
+
+def test_a_call_being_captured_is_settled_apart(cache_on, monkeypatch):
+    # Its path may differ (the tables' pick by GPU time): a layout settled eagerly must not answer for it.
+    settled, chosen = cache_on
+    q, k, v = _qkv()
+    for captured in (False, True, False, True):
+        monkeypatch.setattr(stepkit, "capturing", lambda: captured)
+        settled(q, k, v, True, 0.125)
+    assert len(chosen) == 2

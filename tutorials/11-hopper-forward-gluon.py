@@ -467,17 +467,18 @@ def _ws_forward(q, k, v, o, lse, causal, sm_scale, programs=None, block_n=WS_BLO
 # time, and its one tile shape is not always the best. So ``attention`` follows
 # ``FORWARD_PATHS``, a table of ``tuned_tables.json`` that ``tools/tune.py attention``
 # measured before this build: per case, the forward whose slower of GPU time and host
-# time per call (the pace back to back; lesson 13 measures both) was the less
-# ("Reading the numbers" counts where this run agrees). ``warp_specialized=None`` runs
+# time per call (the pace back to back; lesson 13 measures both) was the less, and for a
+# call captured in a CUDA graph, where a table has it, the faster by GPU time ("Reading
+# the numbers" counts where this run agrees). ``warp_specialized=None`` runs
 # the table's path (Gluon where it can, in cases the table does not cover), ``True``
 # insists on Gluon (an error says why not), ``False`` the portable kernel. Both forwards
 # write the same output and :math:`\mathrm{LSE}_2`: lesson 07's backward serves both.
 
 
 def paths_table(name):
-    """{(D, causal, N bucket): path} from a table of tuned_tables.json."""
-    rows = kit.tuned_table(name)["rows"]
-    return {(row["D"], row["causal"], row["N"]): row["path"] for row in rows}
+    """{(D, causal, N bucket, captured): path}: a table of tuned_tables.json."""
+    return {(r["D"], r["causal"], r["N"], c): r.get("captured", r["path"]) if c else
+            r["path"] for r in kit.tuned_table(name)["rows"] for c in (False, True)}
 
 
 FORWARD_PATHS = paths_table("forward-paths")
@@ -530,7 +531,7 @@ def check_flag(name, value):
 def forward_choice(q, causal, warp_specialized, gluon):
     """Whether to run the Gluon forward: the table's, unless the caller chose; gluon()
     (gluon_allowed) is asked only when neither the table nor the caller settles it."""
-    measured = FORWARD_PATHS.get(V2.tuned_case(q, causal), "gluon")
+    measured = FORWARD_PATHS.get(kit.path_key(V2.tuned_case(q, causal)), "gluon")
     return bool(warp_specialized or measured == "gluon") and gluon()
 
 
@@ -566,7 +567,7 @@ def settled_key(q, k, v, *arguments):
 def settled_paths(choose, q, k, v, causal, sm_scale, *flags):
     """choose(q, k, v, causal, sm_scale, *flags) after the checks, once per
     settled_key; later calls read SETTLED."""
-    key = settled_key(q, k, v, causal, sm_scale, *flags)
+    key = settled_key(q, k, v, causal, sm_scale, kit.capturing(), *flags)
     paths = SETTLED.get(key)
     if paths is None:
         kit.check_attention_inputs(q, k, v, causal, sm_scale)

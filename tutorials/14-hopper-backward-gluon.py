@@ -449,7 +449,7 @@ def backward_path(q, causal, atomic_dq, warp_specialized, gluon):
         return "two-pass"
     if warp_specialized or atomic_dq:
         return "gluon" if gluon() else "atomic"
-    measured = BACKWARD_PATHS.get(V2.tuned_case(q, causal), "gluon")
+    measured = BACKWARD_PATHS.get(kit.path_key(V2.tuned_case(q, causal)), "gluon")
     if measured == "gluon":
         return "gluon" if gluon() else "two-pass"
     return measured

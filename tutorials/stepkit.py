@@ -1736,6 +1736,18 @@ def spread_summary(results):
 
 GLUON_WS = "Triton, warp-specialized (Gluon)"
 PORTABLE_V2 = "Triton v2 (lessons 06, 07)"
+def capturing():
+    """Whether the current CUDA stream is being captured into a CUDA graph: a call
+    made now runs later, replayed, with no host in its way."""
+    return ON_GPU and torch.cuda.is_current_stream_capturing()
+
+
+def path_key(case):
+    """A key of the Hopper lessons' path tables for the tuned case `case` (None where
+    there is none): the case and whether this call is being captured."""
+    return case and (*case, capturing())
+
+
 DEFAULT_PATH = "Triton, default path"
 ATTENTION_INDEX = ["D", "causal", "mode", "N"]
 TIMED_BY = "by GPU time" if ON_GPU else "by the interpreter's wall-clock time"
