@@ -315,7 +315,7 @@ if __name__ == "__main__" and reason is None:
              for causal in (False, True) for N in LENGTHS]
     results, gpu, _ = kit.case_benchmark(cases, step_timers, step_flops)
 # TFLOP/s by GPU time: a row per case, a column per step.
-gpu.round().astype(int) if __name__ == "__main__" and reason is None else None
+gpu.round().astype("Int64") if __name__ == "__main__" and reason is None else None
 
 # %%
 # The gain of each step over the one before it, per case (above 1: faster). Where the
