@@ -78,7 +78,7 @@ def _results(rates, spreads):
     rows = []
     for (D, causal, N), by_step in rates.items():
         for step, rate in by_step.items():
-            rows.append(dict(D=D, causal=causal, N=N, provider=step, gpu_value=rate,
+            rows.append(dict(D=D, causal=causal, N=N, provider=step, value=rate, gpu_value=rate,
                              gpu_spread=spreads.get((D, causal, N, step), 0.01)))
     return pd.DataFrame(rows)
 
@@ -109,9 +109,23 @@ def test_the_summary_reads_the_gains_per_head_dim(capsys):
     rows = {(D, causal, N): dict(zip(steps, rates)) for D, rates in (
         (64, [100, 90, 95, 120, 130]), (128, [100, 95, 80, 140, 150])) for causal in (False, True)
         for N in L12.LENGTHS}
-    L12.summary(_results(rows, {}))
+    L12.summary(stepkit.rate_tables(_results(rows, {}), L12.STEP_INDEX)[0])
     printed = capsys.readouterr().out
     assert "D = 64: the step with the best worst case is 3 + roles (1.26x to 1.26x); 1 TMA + wgmma lost" in printed
     assert ("D = 128: the step with the best worst case is 3 + roles (1.75x to 1.75x); 1 TMA + wgmma, 2 + ring "
             "lost") in printed
     assert "all four: 1.30x to 1.30x" in printed and "all four: 1.50x to 1.50x" in printed
+
+
+def test_the_steps_figure_draws_from_a_rates_table():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = {(D, causal, N): dict(zip(L12.STEPS, [100, 110, 120, 130, 140])) for D in (64, 128)
+            for causal in (False, True) for N in L12.LENGTHS}
+    fig = L12.draw_steps(stepkit.rate_tables(_results(rows, {}), L12.STEP_INDEX)[0])
+    assert len(fig.axes) == len(L12.LENGTHS)
+    assert [len(ax.patches) for ax in fig.axes] == [4 * len(L12.STEPS)] * len(L12.LENGTHS)
+    plt.close(fig)

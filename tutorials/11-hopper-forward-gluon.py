@@ -484,14 +484,14 @@ def paths_table(name):
 FORWARD_PATHS = paths_table("forward-paths")
 
 
-def forward(q, k, v, causal, sm_scale, warp_specialized):
-    """O and LSE_2 from the Gluon forward, or from lesson 06's."""
+def forward(q, k, v, causal, sm_scale, warp_specialized, programs=None):
+    """O and LSE_2 from the Gluon forward (programs: _ws_forward's), or lesson 06's."""
     if not warp_specialized:
         return V2.forward(q, k, v, causal, sm_scale)
     B, H, N, D = q.shape
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B * H, N), dtype=torch.float32, device=q.device)
-    _ws_forward(q, k, v, o, lse, causal, sm_scale)
+    _ws_forward(q, k, v, o, lse, causal, sm_scale, programs)
     return o, lse
 
 

@@ -186,11 +186,9 @@ def step_forward(q, k, v, causal, sm_scale, stages):
 def roles_forward(q, k, v, causal, sm_scale, persistent):
     """Steps 3 (persistent=False: a program per tile, or per causal pair) and 4."""
     B, H, N, D = q.shape
-    o = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((B * H, N), dtype=torch.float32, device=q.device)
     tiles = B * H * V2.host_cdiv(N, FWD.WS_BLOCK_M)  # _ws_forward caps it at the pairs
-    FWD._ws_forward(q, k, v, o, lse, causal, sm_scale, None if persistent else tiles)
-    return o
+    return FWD.forward(q, k, v, causal, sm_scale, True,
+                       None if persistent else tiles)[0]
 
 
 STEPS = {  # name: forward(q, k, v, causal, sm_scale)
@@ -293,6 +291,7 @@ if __name__ == "__main__":
 # longest lengths and its two cases (:math:`B = 4`, :math:`H \cdot D = 2048`), fp16.
 
 LENGTHS = (V2.SIZES[0], V2.SIZES[-1])
+STEP_INDEX = ["D", "causal", "N"]  # a case's columns, as the tables below index them
 
 
 def step_timers(case):
@@ -311,7 +310,7 @@ def step_flops(case):
 
 
 if __name__ == "__main__" and reason is None:
-    cases = [dict(D=D, causal=causal, N=N) for D in FWD.WS_HEAD_DIMS
+    cases = [dict(zip(STEP_INDEX, (D, causal, N))) for D in FWD.WS_HEAD_DIMS
              for causal in (False, True) for N in LENGTHS]
     results, gpu, _ = kit.case_benchmark(cases, step_timers, step_flops)
 # TFLOP/s by GPU time: a row per case, a column per step.
@@ -328,9 +327,9 @@ def step_gains(results):
     "~" where either timing spread past kit.SPREAD_LIMIT."""
     import pandas as pd
 
-    index = ["D", "causal", "N"]
-    rates = results.pivot_table(index=index, columns="provider", values="gpu_value")
-    spreads = results.pivot_table(index=index, columns="provider", values="gpu_spread")
+    rates = kit.rate_tables(results, STEP_INDEX)[0]
+    spreads = results.pivot_table(index=STEP_INDEX, columns="provider",
+                                  values="gpu_spread", sort=False)  # rates' order
     names = list(STEPS)
     gains = {}
     for before, after in zip(names, names[1:]):
@@ -341,10 +340,9 @@ def step_gains(results):
     return pd.DataFrame(gains, index=rates.index)
 
 
-def summary(results):
-    """A sentence per step: its gain over the step before, lowest to highest."""
-    rates = results.pivot_table(index=["D", "causal", "N"], columns="provider",
-                                values="gpu_value")
+def summary(rates):
+    """A sentence per step: its gain over the step before, lowest to highest, from
+    the GPU-time rates (a column per step, indexed by STEP_INDEX)."""
     names = list(STEPS)
     for before, after in zip(names, names[1:]):
         gain = rates[after] / rates[before]
@@ -364,13 +362,11 @@ def summary(results):
               f"{total.min():.2f}x to {total.max():.2f}x the portable kernel")
 
 
-def draw_steps(results):
+def draw_steps(rates):
     """TFLOP/s by GPU time of every step, a panel per length, a bar group per case."""
     import matplotlib.pyplot as plt
 
     kit.plot_style()
-    rates = results.pivot_table(index=["N", "D", "causal"], columns="provider",
-                                values="gpu_value")[list(STEPS)]
     fig, axes = plt.subplots(len(LENGTHS), 1, figsize=(8, 3.2 * len(LENGTHS)))
     colours = ["#9e9e9e", "#c6dbef", "#6baed6", "#2171b5", "#08306b"]
     for ax, N in zip(axes, LENGTHS):
@@ -389,8 +385,8 @@ def draw_steps(results):
 
 
 if __name__ == "__main__" and reason is None:
-    draw_steps(results)
-    summary(results)
+    draw_steps(gpu)
+    summary(gpu)
 step_gains(results) if __name__ == "__main__" and reason is None else None
 
 # %%
@@ -469,9 +465,7 @@ def step_programs_per_sm(D, stages):
 
 
 if __name__ == "__main__" and reason is None:
-    rates = results.pivot_table(index=["D", "causal", "N"], columns="provider",
-                                values="gpu_value")
-    ring = (rates["2 + ring"] / rates["1 TMA + wgmma"])
+    ring = gpu["2 + ring"] / gpu["1 TMA + wgmma"]
     for D in FWD.WS_HEAD_DIMS:
         (one, r1), (two, r2) = (step_programs_per_sm(D, s) for s in (1, 2))
         print(f"D = {D}: {one} programs per SM in order ({r1} registers a thread), "
@@ -502,24 +496,9 @@ def check_deepest_ring(depths):
     """depths {64: stages, 128: stages}: the deepest ring of the step kernel that an
     H100 program holds, at each head dim."""
     exercise = "The deepest ring"
-    if not isinstance(depths, dict) or sorted(depths) != [64, 128]:
-        raise TypeError(f"depths must be a dict {{64: stages, 128: stages}}, got "
-                        f"{depths!r}")
-    for D, stages in depths.items():
-        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-            raise ValueError(f"depths[{D}] must be a whole number of stages, 1 or "
-                             f"more, got {stages!r}")
-    facts = iter(step_facts([dict(D=D, STAGES=s + deeper) for D, s in depths.items()
-                             for deeper in (0, 1)]))
-    limit = FWD.L09.H100_SHARED_PER_PROGRAM
-    for (D, stages), fits, deeper in zip(depths.items(), facts, facts):
-        if fits["shared"] > limit:
-            raise AssertionError(f"{exercise}: D = {D}, STAGES = {stages} needs "
-                                 f"{fits['shared']:,} bytes of shared memory, more "
-                                 f"than an H100 gives a program ({limit:,})")
-        if deeper["shared"] <= limit:
-            raise AssertionError(f"{exercise}: D = {D}: STAGES = {stages} fits, and "
-                                 "so does a deeper ring")
+    kit.check_deepest_rings(exercise, depths, "D", (64, 128), lambda rings: [
+        fact["shared"] for fact in step_facts([dict(D=D, STAGES=s) for D, s in rings])],
+        FWD.L09.H100_SHARED_PER_PROGRAM)
     print(f"{exercise}: right, at both head dims.")
 
 

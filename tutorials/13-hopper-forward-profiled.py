@@ -758,25 +758,10 @@ def check_ring_depths(depths):
     """depths {64: stages, 32: stages}: the deepest ring of BLOCK_N-key tiles that one
     H100 program of the forward holds at D = 128."""
     exercise = "A narrower tile, a deeper ring"
-    if not isinstance(depths, dict) or sorted(depths) != [32, 64]:
-        raise TypeError(f"depths must be a dict {{64: stages, 32: stages}}, got "
-                        f"{depths!r}")
-    for block_n, stages in depths.items():
-        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-            raise ValueError(f"depths[{block_n}] must be a whole number of stages, "
-                             f"1 or more, got {stages!r}")
-    shared = iter(f["shared"] for f in forward_facts([
-        dict(D=128, BLOCK_N=b, STAGES=s + deeper) for b, s in depths.items()
-        for deeper in (0, 1)]))
-    limit = FWD.L09.H100_SHARED_PER_PROGRAM
-    for (block_n, stages), fits, deeper in zip(depths.items(), shared, shared):
-        if fits > limit:
-            raise AssertionError(f"{exercise}: BLOCK_N = {block_n}, STAGES = {stages} "
-                                 f"needs {fits:,} bytes of shared memory, more than an "
-                                 f"H100 gives a program ({limit:,})")
-        if deeper <= limit:
-            raise AssertionError(f"{exercise}: BLOCK_N = {block_n}: STAGES = {stages} "
-                                 "fits, and so does a deeper ring")
+    kit.check_deepest_rings(exercise, depths, "BLOCK_N", (64, 32), lambda rings: [
+        fact["shared"] for fact in forward_facts([
+            dict(D=128, BLOCK_N=b, STAGES=s) for b, s in rings])],
+        FWD.L09.H100_SHARED_PER_PROGRAM)
     rings = {FWD.WS_BLOCK_N: FWD.WS_STAGES, **depths}
     ran = "the forward itself runs only on a Hopper GPU"
     probe = torch.empty(1, 1, 8, 128, dtype=torch.float16, device=kit.DEVICE)

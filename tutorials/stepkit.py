@@ -805,6 +805,37 @@ def expect_unchanged(exercise, case, name, before, after):
         )
 
 
+def check_deepest_rings(exercise, depths, name, keys, shared_of, limit):
+    """An exercise's check that depths, {key: stages} for exactly keys (values of
+    name), are the deepest rings that fit limit bytes of shared memory, an H100
+    program's: shared_of([(key, stages), ...]) gives each compiled ring's bytes.
+    TypeError or ValueError for what is no answer; AssertionError, saying which, for
+    a ring that does not fit, or one that leaves room for a deeper one."""
+    if not isinstance(depths, dict) or sorted(depths) != sorted(keys):
+        shape = ", ".join(f"{key}: stages" for key in keys)
+        raise TypeError(f"depths must be a dict {{{shape}}}, got {depths!r}")
+    for key, stages in depths.items():
+        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+            raise ValueError(
+                f"depths[{key}] must be a whole number of stages, 1 or more, got "
+                f"{stages!r}"
+            )
+    shared = iter(shared_of([
+        (key, stages + deeper) for key, stages in depths.items() for deeper in (0, 1)
+    ]))
+    for (key, stages), fits, deeper in zip(depths.items(), shared, shared):
+        if fits > limit:
+            raise AssertionError(
+                f"{exercise}: {name} = {key}, STAGES = {stages} needs {fits:,} bytes "
+                f"of shared memory, more than an H100 gives a program ({limit:,})"
+            )
+        if deeper <= limit:
+            raise AssertionError(
+                f"{exercise}: {name} = {key}: STAGES = {stages} fits, and so does a "
+                "deeper ring"
+            )
+
+
 def check_elementwise(exercise, fn, reference, strides=(1,)):
     """Check fn(*inputs) against reference(*inputs in float64), element by element
     (expect_elementwise), on fresh random 1-D inputs, one per entry of strides (a
