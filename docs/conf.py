@@ -82,11 +82,22 @@ extensions = [
     "offline_math",
     # After sphinx_gallery: it replaces how that extension writes a plot into the page.
     "lesson_pages",
+    "edition",
 ]
 myst_enable_extensions = ["colon_fence", "dollarmath"]
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 exclude_patterns = ["_build", "**.ipynb_checkpoints", "tutorials/*.md5"]
 templates_path = ["_templates"]
+
+# The Chinese edition (docs/_ext/edition.py, tools/i18n.py): one gettext catalog per page in
+# docs/locales/zh_CN/LC_MESSAGES. tools/shard_build.py builds it with DOCS_LANGUAGE=zh_CN into
+# build/html/zh_CN, from the pages the English build executed. No line numbers in the catalogs, so
+# that a catalog changes only when one of its messages does.
+language = os.environ.get("DOCS_LANGUAGE", "en")
+locale_dirs = ["locales/"]
+gettext_compact = False
+gettext_location = False
+gettext_uuid = False
 
 # Where tutorials leave their measured numbers for the "Performance at a glance" page.
 RESULTS_DIR = Path(os.environ.get("TUTORIAL_RESULTS_DIR", ROOT / "build" / "results")).resolve()
@@ -132,13 +143,18 @@ sphinx_gallery_conf = {
 }
 
 html_theme = "pydata_sphinx_theme"
-html_title = project
+# The Chinese edition's header names the site in Chinese; the rest of its theme is translated by catalogs.
+html_title = "Triton 内核，循序渐进" if language == "zh_CN" else project
 html_static_path = ["_static"]
 html_css_files = ["custom.css"]
 # The published site's pages find every version in one switcher.json (tools/publish.py writes it), at
 # DOCS_SWITCHER_URL, which the docs workflow sets. A local build has no such file: its pages show no
 # version menu rather than an empty one.
 SWITCHER_URL = os.environ.get("DOCS_SWITCHER_URL")
+# The Chinese pages switch versions within Chinese: their list, beside the English one, holds each
+# version's zh_CN/ folder (tools/publish.py writes both).
+if SWITCHER_URL and language == "zh_CN":
+    SWITCHER_URL = re.sub(r"\.json$", ".zh_CN.json", SWITCHER_URL)
 
 html_theme_options = {
     # Beside the title, where a phone keeps it in the header: the other header items fold into the
@@ -149,7 +165,8 @@ html_theme_options = {
     "navbar_align": "left",
     "navbar_end": ["theme-switcher", "navbar-icon-links"],
     # An icon, not a field: the field alone would push the header onto a second row.
-    "navbar_persistent": ["search-button"],
+    # The language link too: the same page in the other edition, in the header at every width.
+    "navbar_persistent": ["search-button", "language-switch"],
     "github_url": f"https://github.com/{repository}",
     "secondary_sidebar_items": ["page-toc", "source-links", "sg_download_links", "sg_launcher_links"],
 }

@@ -28,8 +28,17 @@ def sphinx(src_root, out, *extra, env=None):
         cwd=src_root, capture_output=True, text=True, env=env)
 
 
+def chinese(src_root, out, env=None):
+    """What `make html` runs next: the Chinese edition into out/html/zh_CN, from the pages just built."""
+    command = ("import sys, shard_build; "
+               f"sys.exit(shard_build.chinese_build(['-W', '--keep-going'], out=shard_build.Path({str(out)!r})))")
+    return subprocess.run([sys.executable, "-c", command], cwd=src_root / "tools", capture_output=True, text=True,
+                          env=env)
+
+
 def build_once(testrun_uid, out, env=None):
-    """Build the repository's own docs into out/html once per test run; return out/html.
+    """Build the repository's own docs into out/html, and their Chinese edition into out/html/zh_CN, once
+    per test run; return out/html.
 
     make test runs several test processes (pytest-xdist), and any of them may need a build. Every
     build of docs/ writes the gallery's files under docs/tutorials, so two at once (even into
@@ -43,9 +52,10 @@ def build_once(testrun_uid, out, env=None):
     with FileLock(build / ".sphinx.lock"):
         if not stamp.exists() or stamp.read_text() != testrun_uid:
             stamp.unlink(missing_ok=True)
-            result = sphinx(ROOT, out, env=env)
-            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-            assert "warning" not in result.stderr.lower(), result.stderr
+            for build in (sphinx, chinese):
+                result = build(ROOT, out, env=env)
+                assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+                assert "warning" not in result.stderr.lower(), result.stderr
             stamp.write_text(testrun_uid)
     return out / "html"
 
@@ -54,6 +64,12 @@ def build_once(testrun_uid, out, env=None):
 def site(testrun_uid):
     """The whole site, built once per test run into build/html, with no warnings."""
     return build_once(testrun_uid, ROOT / "build")
+
+
+@pytest.fixture(scope="session")
+def chinese_site(site):
+    """The site's Chinese edition, which build_once builds with it: build/html/zh_CN."""
+    return site / "zh_CN"
 
 
 def copy_docs_for_other_lessons(dest):

@@ -24,6 +24,8 @@ SCREENSHOTS = ROOT / "build" / "screenshots"
 LESSON = stems()[0]
 PAGE = f"tutorials/{LESSON}.html"
 READER_PAGES = [f"tutorials/{lesson}.html" for lesson in stems()] + ["getting-started.html", "performance.html"]
+# The Chinese edition's pages of each kind: a lesson, and the two hand-written pages.
+READER_PAGES += [f"zh_CN/{page}" for page in (PAGE, "getting-started.html", "performance.html")]
 WIDTHS = {"desktop": 1400, "phone": 390}
 
 
@@ -100,6 +102,42 @@ def test_switcher_lists_both_versions_and_keeps_the_page(served_site, page):
     items.filter(has_text="dev").first.click()
     page.wait_for_url(f"**/dev/{PAGE}")
     assert page.url.endswith(f"/dev/{PAGE}")
+
+
+@pytest.mark.parametrize("width", WIDTHS.values(), ids=WIDTHS.keys())
+@pytest.mark.parametrize("path", [PAGE, "index.html"])
+def test_the_language_switch_leads_to_the_same_page_both_ways(served_site, browser, path, width):
+    page = browser.new_page(viewport={"width": width, "height": 900})
+    try:
+        for start, end, lang in ((f"dev/{path}", f"dev/zh_CN/{path}", "zh-CN"),
+                                 (f"dev/zh_CN/{path}", f"dev/{path}", "en")):
+            page.goto(f"{served_site}/{start}")
+            switch = page.locator(".bd-header a.language-switch")
+            assert switch.count() == 1 and switch.is_visible(), f"{start}: no language switch in the header"
+            box, brand = switch.bounding_box(), page.locator(".bd-header .navbar-brand").first.bounding_box()
+            assert box["x"] + box["width"] <= width and box["y"] < brand["y"] + brand["height"], (start, box)
+            switch.click()
+            page.wait_for_url(f"{served_site}/{end}")
+            assert page.locator("html").get_attribute("lang") == lang
+    finally:
+        page.close()
+
+
+def test_the_chinese_version_switcher_stays_in_chinese(served_site, page):
+    page.goto(f"{served_site}/v1.0.0/zh_CN/{PAGE}")
+    button = page.locator("button.version-switcher__button").first
+    button.wait_for()
+    button.click()
+    page.locator(".version-switcher__menu a").filter(has_text="dev").first.click()
+    page.wait_for_url(f"{served_site}/dev/zh_CN/{PAGE}")
+
+
+def test_the_chinese_search_finds_a_chinese_word(served_site, page):
+    page.goto(f"{served_site}/dev/zh_CN/search.html?q=共享内存")
+    results = page.locator("#search-results ul.search li a")
+    results.first.wait_for(timeout=20000)
+    hrefs = results.evaluate_all("links => links.map(a => a.getAttribute('href'))")
+    assert any("tutorials/" in h for h in hrefs), hrefs
 
 
 def test_dev_page_points_to_stable(served_site, page):
@@ -182,7 +220,8 @@ TYPESET = "() => [...document.querySelectorAll('span.math, div.math')].map(e => 
 # The header's visible items, each as [class, top, bottom].
 HEADER_ITEMS = """() => [...document.querySelectorAll([
     '.bd-header__inner > button', '.bd-header .navbar-brand', '.bd-header .version-switcher__button',
-    '.bd-header .search-button', '.bd-header .navbar-nav', '.bd-header .theme-switch-button',
+    '.bd-header .search-button', '.bd-header .language-switch', '.bd-header .navbar-nav',
+    '.bd-header .theme-switch-button',
     '.bd-header .navbar-icon-links'].join(', '))]
   .filter(e => e.offsetParent !== null && e.getBoundingClientRect().width > 0)
   .map(e => { const r = e.getBoundingClientRect(); return [e.className, r.top, r.bottom]; })"""

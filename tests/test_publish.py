@@ -21,7 +21,7 @@ import pytest
 
 # What a published tree may hold at its top (besides version folders), at any moment: nothing else
 # may ever appear there, since the workflow commits the tree with `git add --all`.
-TOP = {".git", ".nojekyll", "index.html", "switcher.json", "stable", "dev"}
+TOP = {".git", ".nojekyll", "index.html", "switcher.json", "switcher.zh_CN.json", "stable", "dev"}
 
 # A child process started by these tests: it imports the tool, says so, and publishes on "go".
 CHILD = f"""
@@ -34,10 +34,24 @@ sys.exit(publish.main(sys.argv[1:]))
 """
 
 
-def fake_build(root, label, marker, pages=0, switcher="/switcher.json"):
+def fake_build(root, label, marker, pages=0, switcher="/switcher.json", chinese=True):
     """A minimal finished build, labelled as Sphinx labels it, its pages reading the versions at switcher (as
-    pydata-sphinx-theme writes it; None: no switcher), with pages more generated pages."""
+    pydata-sphinx-theme writes it; None: no switcher), with pages more generated pages, and its Chinese
+    edition in zh_CN/ (chinese: True, or a (label, switcher) of its own; False: none)."""
     build = root / f"build-{label}-{marker}"
+    _fake_pages(build, label, marker, switcher)
+    if chinese:
+        zh_label, zh_switcher = (label, switcher and switcher.replace(".json", ".zh_CN.json")) if chinese is True \
+            else chinese
+        _fake_pages(build / "zh_CN", zh_label, "中文 " + marker, zh_switcher)
+    for i in range(pages):
+        page = build / "generated" / f"part{i % 10}" / f"page{i}.html"
+        page.parent.mkdir(parents=True, exist_ok=True)
+        page.write_text(f"{marker} {i} " * 40)
+    return build
+
+
+def _fake_pages(build, label, marker, switcher):
     (build / "_static").mkdir(parents=True)
     reads = f"<script>DOCUMENTATION_OPTIONS.theme_switcher_json_url = '{switcher}';</script>" if switcher else ""
     (build / "index.html").write_text(f"<html>{reads}{label} {marker}</html>")
@@ -45,11 +59,6 @@ def fake_build(root, label, marker, pages=0, switcher="/switcher.json"):
     (build / "tutorials" / "page.html").write_text(marker)
     options = f"const DOCUMENTATION_OPTIONS = {{VERSION: '{label}'}};"
     (build / "_static" / "documentation_options.js").write_text(options)
-    for i in range(pages):
-        page = build / "generated" / f"part{i % 10}" / f"page{i}.html"
-        page.parent.mkdir(parents=True, exist_ok=True)
-        page.write_text(f"{marker} {i} " * 40)
-    return build
 
 
 REPO = "/repo/switcher.json"  # where builds published with --base-url /repo/ read the versions
@@ -119,7 +128,31 @@ def test_releases_main_and_stable_over_several_publishes(tmp_path, tree):
     subprocess.run(["git", "-C", str(tree), "add", "--all"], check=True)
     committed = subprocess.run(["git", "-C", str(tree), "ls-files"], capture_output=True, text=True, check=True)
     assert {line.split("/")[0] for line in committed.stdout.splitlines()} == {
-        "dev", "stable", "v0.9.0", "v1.0.0", "v1.1.0", "index.html", "switcher.json", ".nojekyll"}
+        "dev", "stable", "v0.9.0", "v1.0.0", "v1.1.0", "index.html", "switcher.json", "switcher.zh_CN.json",
+        ".nojekyll"}
+
+
+def test_each_version_lands_with_its_chinese_edition_and_a_chinese_switcher(tmp_path, tree):
+    publish.publish(fake_build(tmp_path, "v1.0.0", "a", switcher=REPO), tree, "v1.0.0", base_url="/repo")
+    publish.publish(fake_build(tmp_path, "dev", "b", switcher=REPO), tree, "main", base_url="/repo")
+    for folder, marker in (("v1.0.0", "a"), ("stable", "a"), ("dev", "b")):
+        assert (tree / folder / "zh_CN" / "tutorials" / "page.html").read_text() == "中文 " + marker
+    english, chinese = switcher(tree), json.loads((tree / "switcher.zh_CN.json").read_text())
+    assert [e["version"] for e in chinese] == [e["version"] for e in english] == ["dev", "v1.0.0"]
+    assert [e["url"] for e in chinese] == ["/repo/dev/zh_CN/", "/repo/v1.0.0/zh_CN/"]
+    assert [e.get("preferred") for e in chinese] == [e.get("preferred") for e in english]
+
+
+def test_a_build_without_its_chinese_edition_or_with_a_mismatched_one_is_refused(tmp_path, tree):
+    with pytest.raises(publish.PublishError, match=r"has no Chinese edition \(zh_CN/index.html\)"):
+        publish.publish(fake_build(tmp_path, "dev", "english-only", chinese=False), tree, "main")
+    with pytest.raises(publish.PublishError, match=r"zh_CN was built as version 'v1.0.0', not 'dev'"):
+        publish.publish(fake_build(tmp_path, "dev", "older", chinese=("v1.0.0", "/switcher.zh_CN.json")),
+                        tree, "main")
+    with pytest.raises(publish.PublishError, match=r"zh_CN reads its list of versions at '/switcher\.json', but "
+                                                   r"this publish writes the list at '/switcher\.zh_CN\.json'"):
+        publish.publish(fake_build(tmp_path, "dev", "english-list", chinese=("dev", "/switcher.json")), tree, "main")
+    assert snapshot(tree) == {}
 
 
 def test_root_points_to_dev_until_there_is_a_release(tmp_path, tree):
@@ -309,7 +342,7 @@ def test_a_link_to_the_root_and_a_linked_worktree_are_accepted(tmp_path, tree):
     subprocess.run(["git", "-C", str(repo), "worktree", "add", "-q", "-b", "gh-pages", str(pages)], check=True)
     publish.publish(fake_build(tmp_path, "v1.0.0", "a"), pages, "v1.0.0")
     assert {p.name for p in pages.iterdir()} == {".git", "v1.0.0", "stable", "index.html", "switcher.json",
-                                                  ".nojekyll"}
+                                                  "switcher.zh_CN.json", ".nojekyll"}
 
 
 def test_a_copy_failure_is_a_one_line_error_and_changes_nothing(tmp_path, tree, capsys, monkeypatch):

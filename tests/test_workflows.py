@@ -124,12 +124,15 @@ os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
 """
 
 
-def site_build(path, label, switcher="/switcher.json"):
-    """A finished build as tools/publish.py checks it: its version, and where its pages read switcher.json."""
+def site_build(path, label, switcher="/switcher.json", chinese=True):
+    """A finished build as tools/publish.py checks it: its version, where its pages read switcher.json, and its
+    Chinese edition in zh_CN/, reading the Chinese list of versions."""
     (path / "_static").mkdir(parents=True)
     (path / "index.html").write_text(
         f"<html><script>DOCUMENTATION_OPTIONS.theme_switcher_json_url = '{switcher}';</script>{label}</html>")
     (path / "_static" / "documentation_options.js").write_text(f"const DOCUMENTATION_OPTIONS = {{VERSION: '{label}'}};")
+    if chinese:
+        site_build(path / "zh_CN", label, switcher.replace(".json", ".zh_CN.json"), chinese=False)
 
 
 def run_publish_step(workspace, rivals):

@@ -12,7 +12,12 @@ or ``main``:
   search engines index the stable text), and the site is small enough that the copy costs little;
 * the root ``index.html`` redirects to ``stable/`` (to ``dev/`` until there is a release);
 * ``switcher.json`` at the root lists every version for pydata-sphinx-theme's version switcher,
-  newest first, ``dev`` on top, the newest release ``preferred``;
+  newest first, ``dev`` on top, the newest release ``preferred``; ``switcher.zh_CN.json`` lists the
+  same versions' Chinese editions (``<version>/zh_CN/``), so that the Chinese pages switch versions
+  within Chinese;
+* a version is published with its Chinese edition, ``<version>/zh_CN/`` (``make html`` builds it into
+  the English build's folder), as one unit: a build without it, or with one of another version, or
+  reading another list of versions, is refused;
 * ``.nojekyll`` keeps GitHub Pages from hiding folders that start with an underscore.
 
 Checks come first, before anything is written: the version; the build (a finished Sphinx build
@@ -53,6 +58,8 @@ from pathlib import Path
 # At most 9 digits a part: a longer number names no real release, and thousands of digits overflow int().
 RELEASE = re.compile(r"v(0|[1-9][0-9]{0,8})\.(0|[1-9][0-9]{0,8})\.(0|[1-9][0-9]{0,8})")
 SWITCHER = "switcher.json"
+CHINESE = "zh_CN"  # the Chinese edition's folder inside each version
+SWITCHER_CHINESE = f"switcher.{CHINESE}.json"
 LOCK = "gh-pages-publish.lock"
 WORK = "gh-pages-publish"
 STAGING, PREVIOUS, JOURNAL = "staging", "previous", "journal.json"
@@ -130,11 +137,24 @@ def check_build(build, label, base_url="/"):
                            f"rebuild with DOCS_VERSION={label}")
     # The pages must read the list of versions where this publish writes it: a build without a switcher (a
     # local build) or pointed elsewhere would show no version menu, or an empty one, once published.
-    switcher, wanted = built_switcher(build), f"{base_url}{SWITCHER}"
+    check_switcher(build, f"{base_url}{SWITCHER}", f"{base_url}{SWITCHER}")
+    chinese = build / CHINESE
+    if not (chinese / "index.html").is_file():
+        raise PublishError(f"{build} has no Chinese edition ({CHINESE}/index.html): a version is published with "
+                           "both editions; build it with make html, which writes both")
+    found = built_version(chinese)
+    if found != label:
+        raise PublishError(f"{chinese} was built as version {found!r}, not {label!r}: "
+                           f"rebuild with DOCS_VERSION={label}")
+    check_switcher(chinese, f"{base_url}{SWITCHER_CHINESE}", f"{base_url}{SWITCHER}")
+
+
+def check_switcher(build, wanted, setting):
+    switcher = built_switcher(build)
     if switcher != wanted:
         found = "has no version switcher" if switcher is None else f"reads its list of versions at {switcher!r}"
         raise PublishError(f"{build} {found}, but this publish writes the list at {wanted!r}: "
-                           f"rebuild with DOCS_SWITCHER_URL={wanted}")
+                           f"rebuild with DOCS_SWITCHER_URL={setting}")
 
 
 def git(tree, *args):
@@ -157,10 +177,12 @@ def check_target(tree):
     return gitdir
 
 
-def switcher_entries(releases, has_dev, base_url):
-    entries = [{"name": "dev", "version": "dev", "url": f"{base_url}dev/"}] if has_dev else []
+def switcher_entries(releases, has_dev, base_url, edition=""):
+    """The version switcher's list; edition "zh_CN/" lists each version's Chinese edition."""
+    entries = [{"name": "dev", "version": "dev", "url": f"{base_url}dev/{edition}"}] if has_dev else []
     for i, name in enumerate(releases):
-        entry = {"name": f"{name} (stable)" if i == 0 else name, "version": name, "url": f"{base_url}{name}/"}
+        entry = {"name": f"{name} (stable)" if i == 0 else name, "version": name,
+                 "url": f"{base_url}{name}/{edition}"}
         if i == 0:
             entry["preferred"] = True
         entries.append(entry)
@@ -199,9 +221,12 @@ def stage(build, tree, staging, folder, base_url):
         # The root redirects to stable/: a tree without it (made by hand, or by an older tool) gets it back.
         copy_folder(tree / newest, staging / "stable")
     (staging / SWITCHER).write_text(json.dumps(switcher_entries(releases, has_dev, base_url), indent=2) + "\n")
+    (staging / SWITCHER_CHINESE).write_text(
+        json.dumps(switcher_entries(releases, has_dev, base_url, f"{CHINESE}/"), indent=2, ensure_ascii=False) + "\n")
     (staging / "index.html").write_text(redirect_page("stable/" if newest else "dev/"))
     (staging / ".nojekyll").write_text("")
-    return [name for name in (folder, "stable", SWITCHER, "index.html", ".nojekyll") if (staging / name).exists()]
+    return [name for name in (folder, "stable", SWITCHER, SWITCHER_CHINESE, "index.html", ".nojekyll")
+            if (staging / name).exists()]
 
 
 def remove_tree(path):

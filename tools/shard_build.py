@@ -23,6 +23,8 @@ recorded in <lesson>.needs.json) by removing the checksum. This tool plans with 
   it before Sphinx-Gallery starts if any lesson would run there. That build writes the gallery's
   index, zips, Computation times page (from the .cost.json files) and performance page as a
   one-worker build does.
+* Every build that writes the site then writes the Chinese edition (build/html/zh_CN) from the same
+  executed pages: a second Sphinx build with SHARD_MERGE=1, which runs no lesson (chinese_build).
 * With one worker (JOBS=1, the default without a GPU, or a single lesson to run) the build is the
   plain Sphinx build, which a merge would only repeat.
 * In CI each GPU runner runs one shard of every lesson (--shard; the plan from the committed times, so
@@ -36,6 +38,7 @@ has finished; the lessons that passed are kept, so the next build runs only thos
 """
 
 import argparse
+import filecmp
 import json
 import os
 import re
@@ -57,6 +60,7 @@ COMMITTED_TIMES = ROOT / "tools" / "lesson-times.json"
 UNKNOWN_SECONDS = 60.0
 LOG_TAIL = 60  # lines of a failed worker's log to show
 NVIDIA_DRIVER_GPUS = Path("/proc/driver/nvidia/gpus")  # there when the NVIDIA driver is loaded
+CHINESE = "zh_CN"  # the Chinese edition: build/html/zh_CN (docs/_ext/edition.py)
 
 sys.path.insert(0, str(ROOT / "docs" / "_ext"))
 import lesson_files  # noqa: E402  (the rerun rule, shared with the build)
@@ -334,10 +338,68 @@ def copy_results(source, target, names):
 
 
 def sphinx_build(sphinxopts, env=None):
-    """The build `make html` always ran: docs/ into build/html."""
+    """docs/ into build/html, then the Chinese edition into build/html/zh_CN from the same pages."""
     command = [sys.executable, "-m", "sphinx", "-b", "html", *sphinxopts, "-d", str(BUILD / "doctrees"),
                str(ROOT / "docs"), str(BUILD / "html")]
-    return subprocess.run(command, cwd=ROOT, env=dict(os.environ, **(env or {}))).returncode
+    code = subprocess.run(command, cwd=ROOT, env=dict(os.environ, **(env or {}))).returncode
+    # DOCS_CHINESE=0 builds the English pages alone: for the tests of sharding, whose lessons of their own
+    # have no catalogs. Every build that publishes makes both.
+    return code or (chinese_build(sphinxopts, env) if os.environ.get("DOCS_CHINESE") != "0" else 0)
+
+
+def chinese_build(sphinxopts, env=None, out=BUILD):
+    """The Chinese edition: the English build's executed pages with their prose from the catalogs.
+
+    It runs no lesson (SHARD_MERGE=1: the build stops if one would run), writes the Chinese notebooks
+    from the English ones first (tools/i18n.py), and shows the English build's images and downloads
+    wherever the two are the same file, so a version publishes them once. `out` holds the English
+    build's html/ (build/ for make html)."""
+    start = time.perf_counter()
+    code = subprocess.run([sys.executable, str(ROOT / "tools" / "i18n.py"), "notebooks"], cwd=ROOT).returncode
+    if code:
+        return code
+    command = [sys.executable, "-m", "sphinx", "-b", "html", *sphinxopts, "-d", str(out / f"doctrees-{CHINESE}"),
+               str(ROOT / "docs"), str(out / "html" / CHINESE)]
+    environment = {**os.environ, **(env or {}), "SHARD_MERGE": "1", "DOCS_LANGUAGE": CHINESE}
+    code = subprocess.run(command, cwd=ROOT, env=environment).returncode
+    if code == 0:
+        saved = share_files(out / "html", out / "html" / CHINESE)
+        say(f"shard_build: the Chinese edition took {time.perf_counter() - start:.0f} s; it shows "
+            f"{saved / 2**20:.1f} MiB of the English build's images and downloads instead of copies")
+    return code
+
+
+# What the Chinese pages link to that the English build also wrote: the same file is published once.
+SHARED_FOLDERS = ("_images", "_downloads")
+
+
+def share_files(english, chinese):
+    """Point the Chinese pages at the English build's copy of each image and download that is the same
+    file, and remove theirs; returns the bytes saved. Each edition's pages sit at the same paths, so
+    one more "../" leads from a Chinese page's relative link to the English file."""
+    same = set()
+    for folder in SHARED_FOLDERS:
+        for path in (chinese / folder).rglob("*"):
+            twin = english / path.relative_to(chinese)
+            if path.is_file() and twin.is_file() and filecmp.cmp(path, twin, shallow=False):
+                same.add(path.relative_to(chinese).as_posix())
+    link = re.compile(r'(?<=["\s,])((?:\.\./)*)((?:%s)/[^"\s,?#]+)' % "|".join(SHARED_FOLDERS))
+    for page in chinese.rglob("*.html"):
+        up = "../" * (len(page.relative_to(chinese).parts) - 1)
+        text = page.read_text(encoding="utf-8")
+        shared = link.sub(lambda m: up + "../" + m.group(2) if m.group(1) == up and m.group(2) in same
+                          else m.group(0), text)
+        if shared != text:
+            page.write_text(shared, encoding="utf-8")
+    saved = 0
+    for name in same:
+        saved += (chinese / name).stat().st_size
+        (chinese / name).unlink()
+    for folder in SHARED_FOLDERS:  # folders the moves emptied
+        for path in sorted((chinese / folder).rglob("*"), reverse=True):
+            if path.is_dir() and not any(path.iterdir()):
+                path.rmdir()
+    return saved
 
 
 def merge_build(sphinxopts, require_gpu, driver=None):

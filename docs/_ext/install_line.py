@@ -47,18 +47,32 @@ def pinned_versions(requirements):
     return (pins["torch"], pins["triton"]) if {"torch", "triton"} <= set(pins) else None
 
 
-def install_text(results_dir, requirements):
+# The sentence before the command, in each edition: a template, since it names this build's versions.
+SENTENCES = {
+    "en": {"line": "The install line below names {said}:",
+           "built": "the versions that produced this site's pages ({platform})",
+           "pinned": "the versions pinned in the repository's requirements.txt (this build ran no lesson)",
+           "none": "no versions: this build ran no lesson and has no requirements.txt"},
+    "zh_CN": {"line": "下面的安装命令写明了{said}：",
+              "built": "生成本站页面的版本（{platform}）",
+              "pinned": "仓库 requirements.txt 中固定的版本（本次构建没有运行课程）",
+              "none": "空缺的版本：本次构建没有运行课程，也没有 requirements.txt"},
+}
+
+
+def install_text(results_dir, requirements, language="en"):
     """(command, sentence) for the page."""
+    words = SENTENCES.get(language, SENTENCES["en"])
     built = built_versions(results_dir)
     if built:
         torch, triton, platform = built
-        said = f"the versions that produced this site's pages ({platform})"
+        said = words["built"].format(platform=platform)
     elif pinned := pinned_versions(requirements):
         torch, triton = pinned
-        said = "the versions pinned in the repository's requirements.txt (this build ran no lesson)"
+        said = words["pinned"]
     else:
-        return f"pip install torch triton {EXTRAS}", "no versions: this build ran no lesson and has no requirements.txt"
-    return f"pip install torch=={torch} triton=={triton} {EXTRAS}", said
+        return f"pip install torch triton {EXTRAS}", words["line"].format(said=words["none"])
+    return f"pip install torch=={torch} triton=={triton} {EXTRAS}", words["line"].format(said=said)
 
 
 class InstallLine(Directive):
@@ -68,8 +82,10 @@ class InstallLine(Directive):
         env = self.state.document.settings.env
         env.note_reread()  # the versions are this build's: read the page again on every build
         results = Path(os.environ.get("TUTORIAL_RESULTS_DIR", Path(env.app.confdir).parent / "build" / "results"))
-        command, said = install_text(results, Path(env.app.confdir).parent / "requirements.txt")
-        paragraph = nodes.paragraph(text=f"The install line below names {said}:")
+        command, sentence = install_text(results, Path(env.app.confdir).parent / "requirements.txt",
+                                         env.config.language)
+        # This build's versions: no message of the catalogs; the Chinese edition has its own template.
+        paragraph = nodes.paragraph(text=sentence, translatable=False)
         block = nodes.literal_block(command, command, language="bash")
         return [paragraph, block]
 

@@ -714,7 +714,7 @@ class PerfSummary(Directive):
             results = load_results(results_dir)
         except ValueError as error:
             raise self.error(f"a tutorial's results break the contract of perf_summary.py: {error}") from error
-        if not results:
+        if not results:  # a sentence of the page, translated
             return [nodes.paragraph(text=(
                 "No tutorial has recorded results in this build (the pages were built without "
                 "running the tutorials)."))]
@@ -747,6 +747,10 @@ class PerfSummary(Directive):
                                                              nodes.Text(f": {bench['name']}"))))
                 out.append(nodes.paragraph(text=" ".join(filter(None, [ceiling_text(bench), profiler_text(bench)]))))
                 out.append(_table(*case_table(bench)))
+        # This build's figures: no message of the Chinese catalogs (docs/_ext/edition.py), which says so.
+        for node in out:
+            for text in node.findall(nodes.TextElement):
+                text["translatable"] = False
         return out
 
 
