@@ -168,6 +168,8 @@ html_theme_options = {
     # The language link too: the same page in the other edition, in the header at every width.
     "navbar_persistent": ["search-button", "language-switch"],
     "github_url": f"https://github.com/{repository}",
+    # The menu of the header's links that do not fit (an option of the theme, not a catalog message).
+    "header_dropdown_text": "更多" if language == "zh_CN" else "More",
     "secondary_sidebar_items": ["page-toc", "source-links", "sg_download_links", "sg_launcher_links"],
 }
 if SWITCHER_URL:

@@ -49,7 +49,7 @@ KEPT_WHOLE = {
 ADDRESS = {"rst": re.compile(r"`[^`<]*<([^<>`\s]+)>`_{1,2}"), "md": re.compile(r"\]\(([^)\s]+)\)")}
 # Numbers in the prose: each digit sequence (1,024 / 2.5 / 90) must appear in the translation as written.
 NUMBER = re.compile(r"(?<![\w.])\d+(?:[.,]\d+)*(?![\w])")
-# reST inline markup: it needs a space or punctuation on each side, and a Chinese character is neither.
+# reST inline markup, whose neighbours decide whether docutils reads it as markup.
 REST_MARKUP = re.compile(r"``.+?``|:\w+:`[^`]*`|`[^`]+`_{1,2}|\*\*[^*]+\*\*|\*[^*\s][^*]*\*")
 
 
@@ -100,18 +100,21 @@ def numbers(text, markup):
     return NUMBER.findall(protected_parts(text, markup)[1])
 
 
-def _is_cjk(char):
-    return unicodedata.category(char) == "Lo"
+# What docutils accepts around inline markup: before its start, a space, one of these ASCII characters or
+# opening, quoting or other punctuation; after its end, a space, one of these or closing punctuation. A
+# Chinese character is a letter, and "（" opens: `使用``tl.dot``计算` and ```x``（y）` print the markup raw.
+BEFORE_MARKUP = set(" \n-:/'\"<([{") | {"Ps", "Pi", "Pf", "Pd", "Po", "Zs"}
+AFTER_MARKUP = set(" \n-.,:;!?\\/'\")]}>") | {"Pe", "Pi", "Pf", "Pd", "Po", "Zs"}
 
 
-def markup_next_to_chinese(text):
-    """The reST inline markup of a translation that touches a Chinese character: docutils would print
-    it raw (`使用``tl.dot``计算`), so it needs a space on that side."""
+def markup_broken_by_neighbours(text):
+    """The reST inline markup of a translation that a neighbouring character keeps from being markup."""
     found = []
     for m in REST_MARKUP.finditer(text):
         before = text[m.start() - 1] if m.start() else " "
         after = text[m.end()] if m.end() < len(text) else " "
-        if _is_cjk(before) or _is_cjk(after):
+        if not ({before, unicodedata.category(before)} & BEFORE_MARKUP
+                and {after, unicodedata.category(after)} & AFTER_MARKUP):
             found.append(m.group(0))
     return found
 
@@ -134,8 +137,9 @@ def problems(path):
                                                                   message.string)]
         if lost:
             found.append((message.id, "the translation lacks " + ", ".join(repr(x) for x in lost)))
-        if markup == "rst" and (touching := markup_next_to_chinese(message.string)):
-            found.append((message.id, "put a space between Chinese and " + ", ".join(repr(x) for x in touching)))
+        if markup == "rst" and (touching := markup_broken_by_neighbours(message.string)):
+            found.append((message.id, "put a space (or ASCII punctuation) between these and the Chinese next to "
+                                      "them, or they print as raw markup: " + ", ".join(repr(x) for x in touching)))
     return found
 
 

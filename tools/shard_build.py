@@ -351,8 +351,8 @@ def chinese_build(sphinxopts, env=None, out=BUILD):
     """The Chinese edition: the English build's executed pages with their prose from the catalogs.
 
     It runs no lesson (SHARD_MERGE=1: the build stops if one would run), writes the Chinese notebooks
-    from the English ones first (tools/i18n.py), and shows the English build's images and downloads
-    wherever the two are the same file, so a version publishes them once. `out` holds the English
+    from the English ones first (tools/i18n.py), and shows the English build's images, downloads and
+    theme files wherever the two are the same file, so a version publishes them once. `out` holds the English
     build's html/ (build/ for make html)."""
     start = time.perf_counter()
     code = subprocess.run([sys.executable, str(ROOT / "tools" / "i18n.py"), "notebooks"], cwd=ROOT).returncode
@@ -365,12 +365,13 @@ def chinese_build(sphinxopts, env=None, out=BUILD):
     if code == 0:
         saved = share_files(out / "html", out / "html" / CHINESE)
         say(f"shard_build: the Chinese edition took {time.perf_counter() - start:.0f} s; it shows "
-            f"{saved / 2**20:.1f} MiB of the English build's images and downloads instead of copies")
+            f"{saved / 2**20:.1f} MiB of the English build's files instead of copies")
     return code
 
 
-# What the Chinese pages link to that the English build also wrote: the same file is published once.
-SHARED_FOLDERS = ("_images", "_downloads")
+# What the Chinese pages link to that the English build also wrote (images, downloads, the theme's
+# files): the same file is published once.
+SHARED_FOLDERS = ("_images", "_downloads", "_static")
 
 
 def share_files(english, chinese):

@@ -479,9 +479,10 @@ if __name__ == "__main__":
 # * a copy of *the same tensor* at each size: for small inputs, launching a kernel and
 #   ramping the memory system up and down take a fixed few microseconds, and even a
 #   copy falls short of the large-buffer figure (on a CPU a small tensor sits in the
-#   caches, and its copy can beat it). A reference, not a ceiling: PyTorch's copy
-#   (the CUDA driver's ``memcpy``) has a launch shape chosen for copies in general, so
-#   a kernel can finish sooner at some sizes, and the copy itself can dip.
+#   caches, and its copy can beat it). A reference, not a ceiling: the copy is
+#   PyTorch's elementwise kernel (a multiply by one into a new buffer), whose launch
+#   shape is chosen for elementwise work in general, so a kernel can finish sooner at
+#   some sizes, and the copy itself can dip.
 #
 # Each provider, the copies included, is timed two ways (the :doc:`performance page
 # <../performance>` gives the details): *GPU time*, the call replayed from a CUDA graph
