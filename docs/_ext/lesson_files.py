@@ -246,6 +246,15 @@ def _refresh(app):
     refresh_downloads(lessons_dir, gallery_dir, app.config.repository, app.config.download_ref, install)
 
 
+NO_REF_SENTENCE = {
+    "en": ("This copy of the site cannot name the version its lessons come from: download the lesson's own "
+           "zip instead (linked at the end of its page), which holds the files it needs, or the zip of all "
+           "lessons."),
+    "zh_CN": "这份网站副本无法说明其课程来自哪个版本：请改为下载该课自己的 zip 包（链接在其页面末尾），"
+             "其中包含它所需的文件；也可以下载全部课程的 zip 包。",
+}
+
+
 class DownloadStep(Directive):
     """The download step for a script, as a shell command run in the script's folder: every file that
     some lesson needs beside it (SHARED, and each lesson another loads), at this build's version."""
@@ -260,10 +269,10 @@ class DownloadStep(Directive):
         lessons_dir, _ = _gallery_paths(app)
         ref = app.config.download_ref
         if ref is None:
-            return [nodes.paragraph(text=(
-                "This copy of the site cannot name the version its lessons come from: download the "
-                "lesson's own zip instead (linked at the end of its page), which holds the files it needs, "
-                "or the zip of all lessons."))]
+            # Only a build without git says this (no message of the catalogs: a catalog is extracted in a
+            # clone), so each edition has its sentence here.
+            return [nodes.paragraph(text=NO_REF_SENTENCE.get(env.config.language, NO_REF_SENTENCE["en"]),
+                                    translatable=False)]
         loaded = sorted({name for stem in lessons(lessons_dir) for name in siblings(lessons_dir, stem)})
         code = download_code(app.config.repository, ref, [*SHARED, *(f"{name}.py" for name in loaded)])
         text = "\n".join(["python - <<'EOF'", *code, "EOF"])
