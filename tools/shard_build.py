@@ -370,8 +370,8 @@ def chinese_build(sphinxopts, env=None, out=BUILD):
 
 
 # What the Chinese pages link to that the English build also wrote (images, downloads, the theme's
-# files): the same file is published once.
-SHARED_FOLDERS = ("_images", "_downloads", "_static")
+# files, the pages' sources): the same file is published once.
+SHARED_FOLDERS = ("_images", "_downloads", "_static", "_sources")
 
 
 def share_files(english, chinese):
