@@ -66,3 +66,4 @@ serve:
 
 clean:
 	rm -rf $(BUILD) docs/tutorials docs/sg_execution_times.rst
+	find docs/locales -name "*.mo" -delete
