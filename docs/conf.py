@@ -12,6 +12,7 @@ DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
 sys.path.insert(0, str(DOCS / "_ext"))
 
+from edition import CHINESE  # noqa: E402
 from lesson_files import SHARED, download_cell, stale_lessons  # noqa: E402  (found through the path above)
 from lesson_files import lessons as lesson_stems  # noqa: E402
 from lesson_pages import PeakMemory  # noqa: E402
@@ -93,7 +94,7 @@ templates_path = ["_templates"]
 # docs/locales/zh_CN/LC_MESSAGES. tools/shard_build.py builds it with DOCS_LANGUAGE=zh_CN into
 # build/html/zh_CN, from the pages the English build executed. No line numbers in the catalogs, so
 # that a catalog changes only when one of its messages does.
-language = os.environ.get("DOCS_LANGUAGE", "en")
+language = os.environ.get("DOCS_LANGUAGE", "en")  # CHINESE for the Chinese edition
 locale_dirs = ["locales/"]
 gettext_compact = False
 gettext_location = False
@@ -144,7 +145,7 @@ sphinx_gallery_conf = {
 
 html_theme = "pydata_sphinx_theme"
 # The Chinese edition's header names the site in Chinese; the rest of its theme is translated by catalogs.
-html_title = "Triton 内核，循序渐进" if language == "zh_CN" else project
+html_title = "Triton 内核，循序渐进" if language == CHINESE else project
 html_static_path = ["_static"]
 html_css_files = ["custom.css"]
 # The published site's pages find every version in one switcher.json (tools/publish.py writes it), at
@@ -153,8 +154,8 @@ html_css_files = ["custom.css"]
 SWITCHER_URL = os.environ.get("DOCS_SWITCHER_URL")
 # The Chinese pages switch versions within Chinese: their list, beside the English one, holds each
 # version's zh_CN/ folder (tools/publish.py writes both).
-if SWITCHER_URL and language == "zh_CN":
-    SWITCHER_URL = re.sub(r"\.json$", ".zh_CN.json", SWITCHER_URL)
+if SWITCHER_URL and language == CHINESE:
+    SWITCHER_URL = re.sub(r"\.json$", f".{CHINESE}.json", SWITCHER_URL)
 
 html_theme_options = {
     # Beside the title, where a phone keeps it in the header: the other header items fold into the
@@ -169,7 +170,7 @@ html_theme_options = {
     "navbar_persistent": ["search-button", "language-switch"],
     "github_url": f"https://github.com/{repository}",
     # The menu of the header's links that do not fit (an option of the theme, not a catalog message).
-    "header_dropdown_text": "更多" if language == "zh_CN" else "More",
+    "header_dropdown_text": "更多" if language == CHINESE else "More",
     "secondary_sidebar_items": ["page-toc", "source-links", "sg_download_links", "sg_launcher_links"],
 }
 if SWITCHER_URL:

@@ -28,14 +28,16 @@ from babel.messages.pofile import read_po
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-LANGUAGE = "zh_CN"
-CATALOGS = DOCS / "locales" / LANGUAGE / "LC_MESSAGES"
+TUTORIALS = ROOT / "tutorials"
 GALLERY = DOCS / "tutorials"
-# The Chinese notebooks, where the Chinese build's download links find them (docs/_ext/edition.py).
-NOTEBOOKS = GALLERY / LANGUAGE
 
 sys.path.insert(0, str(DOCS / "_ext"))
-from edition import ENGLISH_ONLY, is_build_figure  # noqa: E402  (the build's own rule)
+from edition import CHINESE, ENGLISH_ONLY  # noqa: E402  (the build's own rule)
+from lesson_files import lessons  # noqa: E402
+
+CATALOGS = DOCS / "locales" / CHINESE / "LC_MESSAGES"
+# The Chinese notebooks, where the Chinese build's download links find them (docs/_ext/edition.py).
+NOTEBOOKS = GALLERY / CHINESE
 
 # What a translation keeps exactly as its English message has it: code, math, link targets, URLs, in
 # the syntax of the page's source: reST for the lessons and Sphinx-Gallery's pages, Markdown (MyST)
@@ -124,7 +126,7 @@ def problems(path):
     found = []
     markup = syntax(page_of(path))
     for message in read_catalog(path):
-        if not message.id or is_build_figure(_plain(message.id)):
+        if not message.id:
             continue
         if not message.string:
             found.append((message.id, "untranslated"))
@@ -143,20 +145,16 @@ def problems(path):
     return found
 
 
-def _plain(text):
-    """A message's text without reST's strong markers, as the build sees its paragraph."""
-    return text.replace("**", "")
-
-
 def check(paths):
+    every = not paths
     paths = [Path(p).resolve() for p in paths] or catalogs()
     count = 0
     for path in paths:
         for message, why in problems(path):
             count += 1
             print(f"{path.relative_to(ROOT)}: {why}\n    msgid {message[:160]!r}")
-    pages = {page_of(p) for p in catalogs()}
-    if not paths or set(paths) == set(catalogs()):
+    if every:
+        pages = {page_of(p) for p in paths}
         missing = [d for d in english_pages() if d not in pages and d not in ENGLISH_ONLY]
         for page in missing:
             count += 1
@@ -168,7 +166,7 @@ def check(paths):
 def english_pages():
     """The hand-written pages and the lessons' pages: every page the Chinese edition translates."""
     pages = [p.relative_to(DOCS).with_suffix("").as_posix() for p in DOCS.glob("*.md")]
-    pages += [f"tutorials/{p.stem}" for p in (ROOT / "tutorials").glob("[0-9][0-9]-*.py")]
+    pages += [f"tutorials/{stem}" for stem in lessons(TUTORIALS)]
     return sorted(pages)
 
 
@@ -183,12 +181,12 @@ def update():
     source = work / "src"
     # A copy: Sphinx-Gallery with plot_gallery=0 would write pages without output into docs/tutorials.
     shutil.copytree(DOCS, source / "docs", ignore=shutil.ignore_patterns("tutorials", "locales"))
-    shutil.copytree(ROOT / "tutorials", source / "tutorials", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(TUTORIALS, source / "tutorials", ignore=shutil.ignore_patterns("__pycache__"))
     run([sys.executable, "-m", "sphinx", "-b", "gettext", "-q", "-D", "sphinx_gallery_conf.plot_gallery=0",
          "-d", str(work / "doctrees"), str(source / "docs"), str(work / "pot")])
     for page in ENGLISH_ONLY:
         (work / "pot" / f"{page}.pot").unlink(missing_ok=True)
-    run([sys.executable, "-m", "sphinx_intl", "update", "-p", str(work / "pot"), "-l", LANGUAGE,
+    run([sys.executable, "-m", "sphinx_intl", "update", "-p", str(work / "pot"), "-l", CHINESE,
          "-d", str(DOCS / "locales"), "-w", "0"])
     # Catalogs of pages that no longer exist.
     current = {p.relative_to(work / "pot").with_suffix("").as_posix() for p in (work / "pot").rglob("*.pot")}
@@ -197,7 +195,7 @@ def update():
             print(f"removing the catalog of a page that is gone: {path.relative_to(ROOT)}")
             path.unlink()
     todo = [(path, m) for path in catalogs() for m in read_catalog(path)
-            if m.id and not is_build_figure(_plain(m.id)) and (not m.string or m.fuzzy)]
+            if m.id and (not m.string or m.fuzzy)]
     for path, message in todo:
         print(f"{path.relative_to(ROOT)}: {'fuzzy' if message.fuzzy else 'new'}: {message.id[:120]!r}")
     print(f"i18n: {len(todo)} message(s) to translate")
@@ -278,8 +276,7 @@ def translate_text_block(text, table):
             out.append(indent + bullet + table[message])
         else:
             out += lines[i:j]
-            if not is_build_figure(message):
-                left.append(message)
+            left.append(message)
         if message.endswith("::"):  # a literal block follows, indented
             end = _skip_body(lines, j, len(indent))
             out += lines[j:end]
@@ -294,7 +291,7 @@ def chinese_notebook(stem):
     from sphinx_gallery.py_source_parser import split_code_and_text_blocks
 
     english = json.loads((GALLERY / f"{stem}.ipynb").read_text(encoding="utf-8"))
-    _, blocks = split_code_and_text_blocks(str(ROOT / "tutorials" / f"{stem}.py"))
+    _, blocks = split_code_and_text_blocks(str(TUTORIALS / f"{stem}.py"))
     texts = [block.content for block in blocks if block.type == "text"]
     markdown = [cell for cell in english["cells"] if cell["cell_type"] == "markdown"]
     if len(texts) != len(markdown):
@@ -316,7 +313,7 @@ def notebooks():
     """The Chinese notebooks beside the English ones (docs/tutorials/zh_CN), and the zips that hold
     notebooks with the Chinese ones in their place: what the Chinese pages offer for download."""
     NOTEBOOKS.mkdir(parents=True, exist_ok=True)
-    stems = [p.stem for p in sorted((ROOT / "tutorials").glob("[0-9][0-9]-*.py"))]
+    stems = lessons(TUTORIALS)
     chinese = {}
     for stem in stems:
         notebook, left = chinese_notebook(stem)

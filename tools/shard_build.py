@@ -60,10 +60,10 @@ COMMITTED_TIMES = ROOT / "tools" / "lesson-times.json"
 UNKNOWN_SECONDS = 60.0
 LOG_TAIL = 60  # lines of a failed worker's log to show
 NVIDIA_DRIVER_GPUS = Path("/proc/driver/nvidia/gpus")  # there when the NVIDIA driver is loaded
-CHINESE = "zh_CN"  # the Chinese edition: build/html/zh_CN (docs/_ext/edition.py)
 
 sys.path.insert(0, str(ROOT / "docs" / "_ext"))
 import lesson_files  # noqa: E402  (the rerun rule, shared with the build)
+from edition import CHINESE  # noqa: E402  (the Chinese edition's language and folder: build/html/zh_CN)
 
 
 def say(text):
@@ -351,9 +351,9 @@ def chinese_build(sphinxopts, env=None, out=BUILD):
     """The Chinese edition: the English build's executed pages with their prose from the catalogs.
 
     It runs no lesson (SHARD_MERGE=1: the build stops if one would run), writes the Chinese notebooks
-    from the English ones first (tools/i18n.py), and shows the English build's images, downloads and
-    theme files wherever the two are the same file, so a version publishes them once. `out` holds the English
-    build's html/ (build/ for make html)."""
+    from the English ones first (tools/i18n.py), and shows the English build's copy of every file the
+    two share (share_files), so a version publishes it once. `out` holds the English build's html/
+    (build/ for make html)."""
     start = time.perf_counter()
     code = subprocess.run([sys.executable, str(ROOT / "tools" / "i18n.py"), "notebooks"], cwd=ROOT).returncode
     if code:
@@ -375,8 +375,8 @@ SHARED_FOLDERS = ("_images", "_downloads", "_static", "_sources")
 
 
 def share_files(english, chinese):
-    """Point the Chinese pages at the English build's copy of each image and download that is the same
-    file, and remove theirs; returns the bytes saved. Each edition's pages sit at the same paths, so
+    """Point the Chinese pages at the English build's copy of each file of SHARED_FOLDERS that is the
+    same file, and remove theirs; returns the bytes saved. Each edition's pages sit at the same paths, so
     one more "../" leads from a Chinese page's relative link to the English file."""
     same = set()
     for folder in SHARED_FOLDERS:

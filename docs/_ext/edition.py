@@ -26,8 +26,6 @@ from sphinx.util import logging
 logger = logging.getLogger(__name__)
 
 CHINESE = "zh_CN"
-# Where each edition lives under a version's root: English at the root, Chinese in its own folder.
-EDITION_FOLDER = {"en": "", CHINESE: CHINESE + "/"}
 # Pages that stay English in the Chinese edition: lab notes, dated, for the team.
 ENGLISH_ONLY = {"engineering-notes"}
 # Sphinx-Gallery's pages of run times: their tables are this build's figures.
@@ -114,7 +112,7 @@ class ChinesePage(SphinxTransform):
         folder = Path(self.env.srcdir) / "tutorials" / CHINESE
         for node in self.document.findall(addnodes.download_reference):
             name = node["reftarget"].rsplit("/", 1)[-1]
-            if name.endswith((".ipynb", ".zip")) and (folder / name).is_file() and "_python" not in name:
+            if (folder / name).is_file():
                 node["reftarget"] = f"/tutorials/{CHINESE}/{name}"
 
     def _fail_on_untranslated(self, docname):
@@ -158,18 +156,17 @@ def _catalog(srcdir, docname):
 
 
 def language_switch(language, pagename):
-    """(label, relative address) of the same page in the other edition, from page `pagename` of the
-    edition in `language`: each edition's pages sit at the same paths below its folder."""
+    """The link to the same page in the other edition, from page `pagename` of the edition in
+    `language`: its label, relative address and language tag. Each edition's pages sit at the same
+    paths below its folder: English at a version's root, Chinese in zh_CN/."""
     depth = pagename.count("/")
     if language == CHINESE:
-        return "English", "../" * (depth + 1) + pagename + ".html"
-    return "中文", "../" * depth + EDITION_FOLDER[CHINESE] + pagename + ".html"
+        return {"label": "English", "href": "../" * (depth + 1) + pagename + ".html", "lang": "en"}
+    return {"label": "中文", "href": "../" * depth + f"{CHINESE}/{pagename}.html", "lang": "zh-CN"}
 
 
 def _page_context(app, pagename, templatename, context, doctree):
-    label, href = language_switch(app.config.language or "en", pagename)
-    context["language_switch"] = {"label": label, "href": href,
-                                  "lang": "en" if app.config.language == CHINESE else "zh-CN"}
+    context["language_switch"] = language_switch(app.config.language, pagename)
 
 
 def quiet_jieba():
