@@ -1084,7 +1084,7 @@ def test_tuned_case_applies_on_the_measured_architecture_only(monkeypatch):
 @pytest.mark.parametrize("gluon_runs", [False, True])
 def test_backward_path_follows_the_table_unless_the_caller_chooses(monkeypatch, measured, gluon_runs):
     monkeypatch.setattr(V2, "tuned_case", lambda q, causal: (64, causal, 1024))
-    monkeypatch.setattr(HOPPER, "BACKWARD_PATHS", {(64, True, 1024, False): measured})
+    monkeypatch.setattr(HOPPER, "BACKWARD_PATHS", {(64, True, 1024, c): measured for c in (False, True)})
 
     def allowed(q, k, v, warp_specialized, sm_scale):
         if warp_specialized is True and not gluon_runs:
@@ -1094,7 +1094,9 @@ def test_backward_path_follows_the_table_unless_the_caller_chooses(monkeypatch, 
     monkeypatch.setattr(HOPPER_FWD, "gluon_allowed", allowed)
     q = torch.empty(1, 1, 8, 64, dtype=torch.float16)
     def path(atomic_dq, warp_specialized):
-        return HOPPER.choose_paths(q, q, q, True, 0.125, atomic_dq, warp_specialized)[1]
+        eager, captured = HOPPER.choose_paths(q, q, q, True, 0.125, atomic_dq, warp_specialized)[1]
+        assert eager == captured  # one table row for both
+        return eager
 
     fallback = "gluon" if gluon_runs else "two-pass"
     assert path(None, None) == (measured if gluon_runs or measured != "gluon" else fallback)
@@ -1134,11 +1136,27 @@ def test_a_call_captured_in_a_cuda_graph_follows_the_pick_by_gpu_time(monkeypatc
     monkeypatch.setattr(HOPPER, "BACKWARD_PATHS", {(128, False, 1024, False): "two-pass",
                                                    (128, False, 1024, True): "gluon"})
     q = torch.empty(1, 1, 8, 128, dtype=torch.float16)
-    for captured, expected in ((False, (False, "two-pass")), (True, (True, "gluon"))):
+    # The forward by the capture of the call; the backward's two picks both, for the backward's own capture.
+    for captured in (False, True):
         monkeypatch.setattr(stepkit, "capturing", lambda: captured)
-        assert HOPPER.choose_paths(q, q, q, False, 0.125, None, None) == expected
+        assert HOPPER.choose_paths(q, q, q, False, 0.125, None, None) == (captured, ("two-pass", "gluon"))
     monkeypatch.setattr(stepkit, "capturing", lambda: False)
     assert stepkit.path_key(None) is None and stepkit.path_key((64, True, 2048)) == (64, True, 2048, False)
+
+
+def test_a_backward_runs_the_pick_for_its_own_capture(monkeypatch):
+    # A training step may run its forward eagerly and capture only the backward, as lesson 14's benchmark does:
+    # the backward reads the capture when it runs, not when the forward chose.
+    ran = []
+    monkeypatch.setattr(HOPPER, "_ws_backward", lambda q, k, v, *rest: ran.append("gluon") or (q, k, v))
+    monkeypatch.setattr(HOPPER.V2_BWD, "backward", lambda q, k, v, *rest: ran.append("two-pass") or (q, k, v))
+    monkeypatch.setattr(HOPPER.V2_BWD, "backward_delta", lambda o, do: None)
+    q, k, v = (torch.randn(1, 1, 8, 64, requires_grad=True) for _ in range(3))
+    out = HOPPER._AttentionHopper.apply(q, k, v, False, 0.125, False, ("two-pass", "gluon"))
+    for captured in (False, True):
+        monkeypatch.setattr(stepkit, "capturing", lambda: captured)
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out), retain_graph=True)
+    assert ran == ["two-pass", "gluon"]
 
 
 def test_a_table_without_captured_picks_serves_its_eager_pick_to_captured_calls(monkeypatch):
@@ -1160,9 +1178,9 @@ def test_the_gluon_check_runs_only_when_its_answer_matters(monkeypatch):
     for forward, backward, expected in (("portable", "two-pass", 0), ("portable", "atomic", 0),
                                         ("gluon", "two-pass", 1), ("portable", "gluon", 1), ("gluon", "gluon", 1)):
         monkeypatch.setattr(HOPPER_FWD, "FORWARD_PATHS", {(64, True, 1024, False): forward})
-        monkeypatch.setattr(HOPPER, "BACKWARD_PATHS", {(64, True, 1024, False): backward})
+        monkeypatch.setattr(HOPPER, "BACKWARD_PATHS", {(64, True, 1024, c): backward for c in (False, True)})
         asked.clear()
-        assert HOPPER.choose_paths(q, q, q, True, 0.125, None, None) == (forward == "gluon", backward)
+        assert HOPPER.choose_paths(q, q, q, True, 0.125, None, None) == (forward == "gluon", (backward,) * 2)
         assert len(asked) == expected, (forward, backward, asked)
     with pytest.raises(TypeError, match="warp_specialized must be None, True or False"):
         HOPPER.choose_paths(q, q, q, True, 0.125, None, 0)

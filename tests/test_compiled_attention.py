@@ -86,3 +86,55 @@ def test_the_pages_host_free_calls_check_their_outputs_and_all_run():
     for call in calls.values():
         call()
     torch.cuda.synchronize()
+
+
+@gpu_only
+@pytest.mark.skipif(not stepkit.ON_GPU or FWD.warp_specialized_unsupported(
+    *[torch.empty(1, 1, 8, 64, dtype=torch.float16, device=DEVICE)] * 3) is not None,
+    reason="the captured picks choose between Gluon and portable kernels: a Hopper GPU")
+@pytest.mark.parametrize("D, causal", [(64, False), (128, False), (128, True)])
+def test_captured_calls_run_the_tables_captured_pick(monkeypatch, D, causal):
+    """Issue 42, item 2, on the GPU itself: a forward captured in a CUDA graph, and a backward captured after an
+    eager forward, launch the paths the tables pick for captured calls (at N = 1024 these differ from the eager
+    picks in the shipped tables), and the replays give the eager call's result."""
+    hopper = load("14-hopper-backward-gluon")
+    key = (D, causal, 1024)
+    if FWD.V2.tuned_case(torch.empty(1, 1, 1024, D, dtype=torch.float16, device=DEVICE), causal) != key:
+        pytest.skip("the shipped tables were measured on another GPU")
+    launched = []
+    for module, name, path in ((FWD, "_ws_forward", "gluon"), (FWD.V2, "forward", "portable"),
+                               (hopper, "_ws_backward", "gluon"), (hopper.V2_BWD, "backward", "other")):
+        def record(*args, _run=getattr(module, name), _path=path, **kwargs):
+            if stepkit.capturing():
+                launched.append(_path)
+            return _run(*args, **kwargs)
+        monkeypatch.setattr(module, name, record)
+    scale = D**-0.5
+    q, k, v = (t.requires_grad_() for t in _inputs(2, 8, 1024, D, torch.float16, stepkit.fresh_generator()))
+    stream = torch.cuda.Stream()  # capture needs a stream of its own, and a backward runs on its forward's
+    with torch.cuda.stream(stream):
+        for ws in (True, False):  # compiled before the captures
+            out = hopper.attention(q, k, v, causal, scale, warp_specialized=ws)
+            torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        with torch.no_grad():
+            eager = hopper.attention(q, k, v, causal, scale)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                recorded = hopper.attention(q, k, v, causal, scale)
+            graph.replay()
+        torch.cuda.synchronize()
+        assert launched == [FWD.FORWARD_PATHS[key + (True,)]]
+        torch.testing.assert_close(recorded, eager, rtol=2e-3, atol=2e-3)
+
+        launched.clear()
+        out = hopper.attention(q, k, v, causal, scale)  # eager: the backward alone is captured
+        dout = torch.randn_like(out)
+        expected = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        graph.replay()
+        torch.cuda.synchronize()
+    assert launched == ["gluon" if hopper.BACKWARD_PATHS[key + (True,)] == "gluon" else "other"]
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)

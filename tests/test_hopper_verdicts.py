@@ -112,36 +112,64 @@ CASES = {  # (D, causal, N): {provider: (back to back, its spread, by GPU time)}
 }
 
 
-def test_default_path_shows_its_choice_per_case_and_counts_ties_as_ties(capsys):
-    results = _results(CASES)
-    rows, table = stepkit.default_path(results, lambda D, causal, N: WS, [PEER], "FORWARD_PATHS", FWD.PATHS)
+def _with_default(cases, pick, captured_pick=None):
+    """cases with the default path timed too: back to back as its eager pick, by GPU time as its captured pick
+    (pick(D, causal, N) and captured_pick, which defaults to pick), as a run that takes those paths measures."""
+    captured_pick = captured_pick or pick
+    out = {}
+    for key, rates in cases.items():
+        eager, captured = rates[pick(*key)], rates[captured_pick(*key)]
+        out[key] = {**rates, FWD.DEFAULT: (eager[0], eager[1], captured[2])}
+    return out
+
+
+def test_default_path_shows_its_choices_per_case_and_counts_ties_as_ties(capsys):
+    results = _results(_with_default(CASES, lambda D, causal, N: WS))
+    table = stepkit.default_path(results, lambda D, causal, N, captured: WS, [PEER], "FORWARD_PATHS", FWD.PATHS)
     line = capsys.readouterr().out
-    assert list(table["path"]) == ["Gluon"] * 4
+    assert list(table["path"]) == list(table["captured"]) == ["Gluon"] * 4
+    # Against the path it could have taken instead (portable): within Gluon's 27% spread at the first case.
     assert list(table["back to back"]) == ["tie", "slower", "slower", "slower"]
     assert table.loc[(128, False, "fwd", 1024), "x fastest peer"] == round(517 / 510, 2)
+    assert table.loc[(128, False, "fwd", 1024), "x fastest peer, back to back"] == round(375 / 533, 2)
     assert "fastest at 0, tied with the fastest within the spread at 1 and slower past it at 3" in line
     assert "of this run's 4 cases" in line and "at or above it at 1 of 4 cases" in line
-    assert [row["provider"] for row in rows] == [FWD.DEFAULT] * 4
-    assert [row["value"] for row in rows] == [367.0, 202.0, 375.0, 191.0]
+    assert "its GPU time was its captured pick's within the spread at 4 of 4 cases" in line
 
 
-def test_default_path_leaves_out_a_case_where_its_choice_did_not_run(capsys):
-    cases = dict(CASES)
-    cases[64, True, 1024] = {p: v for p, v in CASES[64, True, 1024].items() if p != WS}  # Gluon failed here
-    rows, table = stepkit.default_path(_results(cases), lambda D, causal, N: WS, [PEER], "FORWARD_PATHS", FWD.PATHS)
-    assert (64, True, "fwd", 1024) not in table.index and len(table) == len(rows) == 3
+def test_default_path_says_where_its_replays_did_not_run_its_captured_pick(capsys):
+    """A run whose captured calls ran the eager pick (portable) where the table picks Gluon for them: a GPU time
+    of 384 against Gluon's 517 at D=128 non-causal cannot pass for Gluon's, nor 269 against 331 causal."""
+    eager = {(64, False): WS, (64, True): PORTABLE, (128, False): PORTABLE, (128, True): PORTABLE}
+    results = _results(_with_default(CASES, lambda D, causal, N: eager[D, causal]))
+
+    def provider_of(D, causal, N, captured):
+        return WS if captured and D == 128 else eager[D, causal]
+
+    table = stepkit.default_path(results, provider_of, [PEER], "FORWARD_PATHS", FWD.PATHS)
+    assert list(table["path"]) == ["Gluon", "portable", "portable", "portable"]
+    assert list(table["captured"]) == ["Gluon", "portable", "Gluon", "Gluon"]
+    assert "its GPU time was its captured pick's within the spread at 2 of 4 cases" in capsys.readouterr().out
+
+
+def test_default_path_leaves_out_a_case_where_it_did_not_run(capsys):
+    cases = _with_default(CASES, lambda D, causal, N: WS)
+    cases[64, True, 1024] = {p: v for p, v in cases[64, True, 1024].items() if p != FWD.DEFAULT}
+    table = stepkit.default_path(_results(cases), lambda D, causal, N, captured: WS, [PEER], "FORWARD_PATHS",
+                                 FWD.PATHS)
+    assert (64, True, "fwd", 1024) not in table.index and len(table) == 3
     assert "of this run's 3 cases" in capsys.readouterr().out
 
 
 def test_lessons_11_and_13_count_the_table_choice_the_same_way(capsys):
     """Lesson 11 said 19 of 20 while lesson 13 said 2 of 4, a tie counted as a miss: both now read standing."""
-    results = _results(CASES)
     choice = {(64, False): PORTABLE, (64, True): PORTABLE, (128, False): WS, (128, True): PORTABLE}
 
-    def default_of(D, causal, N):
+    def default_of(D, causal, N, captured=False):
         return choice[D, causal]
 
-    _, table = stepkit.default_path(results, default_of, [PEER], "FORWARD_PATHS", FWD.PATHS)
+    results = _results(_with_default(CASES, default_of))
+    table = stepkit.default_path(results, default_of, [PEER], "FORWARD_PATHS", FWD.PATHS)
     capsys.readouterr()
     stood = table["back to back"].value_counts()
     line = PROFILE.clocks_and_paths(results, 1024, default_of)

@@ -466,13 +466,12 @@ def _ws_forward(q, k, v, o, lse, causal, sm_scale, programs=None, block_n=WS_BLO
 # Neither forward wins everywhere: the Gluon call's three TMA descriptors cost host
 # time, and its one tile shape is not always the best. So ``attention`` follows
 # ``FORWARD_PATHS``, a table of ``tuned_tables.json`` that ``tools/tune.py attention``
-# measured before this build: per case, the forward whose slower of GPU time and host
-# time per call (the pace back to back; lesson 13 measures both) was the less, and for a
-# call captured in a CUDA graph, where a table has it, the faster by GPU time ("Reading
-# the numbers" counts where this run agrees). ``warp_specialized=None`` runs
-# the table's path (Gluon where it can, in cases the table does not cover), ``True``
-# insists on Gluon (an error says why not), ``False`` the portable kernel. Both forwards
-# write the same output and :math:`\mathrm{LSE}_2`: lesson 07's backward serves both.
+# measured before this build: per case, the forward faster back to back (host time
+# included; lesson 13 measures both), and for a call captured in a CUDA graph, with no
+# host in its way, the faster by GPU time. ``warp_specialized=None`` runs the table's
+# path (Gluon where it can, in cases the table does not cover), ``True`` insists on
+# Gluon (an error says why not), ``False`` the portable kernel. Both forwards write
+# the same output and :math:`\mathrm{LSE}_2`: lesson 07's backward serves both.
 
 
 def paths_table(name):
@@ -528,10 +527,12 @@ def check_flag(name, value):
         raise TypeError(f"{name} must be None, True or False, got {value!r}")
 
 
-def forward_choice(q, causal, warp_specialized, gluon):
-    """Whether to run the Gluon forward: the table's, unless the caller chose; gluon()
-    (gluon_allowed) is asked only when neither the table nor the caller settles it."""
-    measured = FORWARD_PATHS.get(kit.path_key(V2.tuned_case(q, causal)), "gluon")
+def forward_choice(q, causal, warp_specialized, gluon, captured=None):
+    """Whether to run the Gluon forward: the table's (for a captured call or not;
+    None: this one), unless the caller chose; gluon() (gluon_allowed) is asked only
+    when neither the table nor the caller settles it."""
+    case = kit.path_key(V2.tuned_case(q, causal), captured)
+    measured = FORWARD_PATHS.get(case, "gluon")
     return bool(warp_specialized or measured == "gluon") and gluon()
 
 
@@ -652,17 +653,18 @@ if __name__ == "__main__" and kit.fp8_supported():
             raise AssertionError(f"11-hopper-forward-gluon: fp8 forward is off, error "
                                  f"{error:.2e}")
 elif __name__ == "__main__":
-    print("fp8 forward skipped: it needs a GPU with fp8 tensor cores (compute "
-          "capability 8.9 or newer).")
+    print("fp8 forward skipped: it needs fp8 tensor cores (compute capability 8.9+).")
 
 # %%
 # Benchmark
 # ---------
 # The forward in TFLOP/s at lesson 06's sizes against the portable kernel and SDPA's
 # backends, the fp16 matrix-multiply rate measured now the ceiling (lesson 06's fp8
-# forward, also shown, can pass it). GPU time and back to back (:doc:`../performance`,
-# "How we time") in two tables; the plot and verdicts read GPU time and say where back
-# to back differs. Under the interpreter they illustrate.
+# forward, also shown, can pass it). The default path is ``attention`` as users call
+# it: the table's eager pick back to back, its captured pick in a CUDA graph. GPU time
+# and back to back (:doc:`../performance`, "How we time") in two tables; the plot (not
+# the default path: one of ours again) and verdicts read GPU time and say where back to
+# back differs. Under the interpreter they illustrate.
 
 WS, PORTABLE, DEFAULT = kit.GLUON_WS, kit.PORTABLE_V2, kit.DEFAULT_PATH
 ATOMIC = V2_BWD.ATOMIC  # lesson 07's atomic backward, which lesson 14 may choose
@@ -675,15 +677,17 @@ hopper_benchmark = functools.partial(  # (mode, extra_providers, title), lesson 
     kit.hopper_benchmark, V2.CASES, V2.SIZES, BASELINES, ours=OURS)
 
 
-def default_forward(D, causal, N):
-    """The provider that ``attention`` runs by default for a (B, H, N, D) fp16 input."""
+def default_forward(D, causal, N, captured=False):
+    """The provider ``attention`` runs by default on a (B, H, N, D) fp16 input."""
     q = torch.empty(1, 1, N, D, dtype=torch.float16, device=kit.DEVICE)
-    return WS if use_warp_specialized(q, q, q, causal, D**-0.5, None) else PORTABLE
+    gluon = functools.partial(gluon_allowed, q, q, q, None, D**-0.5)
+    return WS if forward_choice(q, causal, None, gluon, captured) else PORTABLE
 
 
 def hopper_providers(q, k, v, causal, D):
-    """The Gluon forward where it runs; lesson 06's on fp8 copies, given fp8 cores."""
-    providers, f8, scale = {}, torch.float8_e5m2, D**-0.5
+    """The default path; Gluon where it runs; lesson 06's on fp8 copies (fp8 cores)."""
+    f8, scale = torch.float8_e5m2, D**-0.5
+    providers = {(DEFAULT, "fwd"): kit.call_timer(attention, q, k, v, causal, scale)}
     if warp_specialized_unsupported(q, k, v) is None:
         providers[WS, "fwd"] = kit.call_timer(attention, q, k, v, causal, scale,
                                               warp_specialized=True)
@@ -729,22 +733,20 @@ if __name__ == "__main__":
         short, longer = fp8[N == N.min()], fp8[N > N.min()]
         print(f"fp8 forward vs. lesson 06's fp16 forward, by GPU time: "
               f"{longer.min():.2f}x to {longer.max():.2f}x from N = "
-              f"{N[N > N.min()].min()}, where the datasheet's matrix rates differ by "
-              "2x: the exponentials and the rescaling do not get faster with fp8. "
+              f"{N[N > N.min()].min()}, where the datasheet's matrix rates differ "
+              "by 2x: the exponentials and the rescaling do not get faster with fp8. "
               f"At N = {N.min()}: {short.min():.2f}x to {short.max():.2f}x (no table "
-              "covers fp8, so each of its calls goes through the autotuner and "
-              "Triton's JIT, without a launch plan).")
+              "covers fp8: each call takes the autotuner and JIT, no launch plan).")
     print(kit.spread_summary(results) if kit.ON_GPU else
           "These are interpreter timings: they measure NumPy on the CPU.")
-    defaults, paths = kit.default_path(results, default_forward, peers,
-                                       "FORWARD_PATHS", PATHS)
+    paths = kit.default_path(results, default_forward, peers, "FORWARD_PATHS", PATHS)
     ran = [c for c in (WS, PORTABLE) if c in gpu]
     kit.save_results("11-hopper-forward-gluon", [{
         "name": "attention forward, "
         f"{'warp-specialized' if WS in ran else 'no Gluon kernel ran'}",
         "unit": "TFLOP/s", "ceiling_name": kit.MATMUL_CEILING, "ceiling": peak,
         "ours": [DEFAULT, *ran], "peers": peers,
-        "rows": results.to_dict("records") + defaults}])
+        "rows": results.to_dict("records")}])
 paths if __name__ == "__main__" else None
 
 # %%
@@ -772,9 +774,7 @@ paths if __name__ == "__main__" else None
 
 def check_tma_ready(fn):
     """Your tma_ready on tensors that TMA can and cannot load as they are."""
-    def randn(*shape):
-        return torch.randn(*shape, dtype=torch.float16)
-
+    randn = functools.partial(torch.randn, dtype=torch.float16)
     cases = {"contiguous": randn(2, 3, 40, 64),
              "(B, N, H, D) viewed as (B, H, N, D)": randn(2, 40, 3, 64).transpose(1, 2),
              "every other column": randn(2, 3, 40, 128)[..., ::2],

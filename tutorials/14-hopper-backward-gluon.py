@@ -421,19 +421,20 @@ if __name__ == "__main__":
 # -------------------------
 # Three backwards can follow either forward: this lesson's Gluon kernel and lesson 07's
 # two-pass and atomic ones. ``attention`` runs the one ``tools/tune.py attention``
-# measured fastest for the case before this build (``BACKWARD_PATHS``, cost as in lesson
-# 11), with lesson 11's table's forward; "Reading the numbers" counts where this run
-# agrees. Arguments overrule the tables: ``atomic_dq=False`` asks for the two-pass
-# backward, ``True`` for an atomic one (Gluon's where it runs), ``warp_specialized`` for
-# or against Gluon; cases the tables miss run Gluon where it can, else two-pass.
+# measured fastest for the case before this build (``BACKWARD_PATHS``, as in lesson 11:
+# a backward captured in a CUDA graph takes the pick by GPU time), with lesson 11's
+# table's forward. Arguments overrule the tables: ``atomic_dq=False`` asks for the
+# two-pass backward, ``True`` for an atomic one (Gluon's where it runs),
+# ``warp_specialized`` for or against Gluon; cases the tables miss run Gluon where it
+# can, else two-pass.
 
 BACKWARD_PATHS = FWD.paths_table("backward-paths")
 
 
 def choose_paths(q, k, v, causal, sm_scale, atomic_dq, warp_specialized):
-    """(whether to run the Gluon forward, the backward to run) for this case and these
-    arguments. Whether Gluon takes the inputs costs host time to find out: it is asked
-    at most once, for both, and only if the tables or the arguments leave it open."""
+    """(whether to run the Gluon forward, the backwards to run eagerly and captured)
+    for this case and these arguments. Whether Gluon takes the inputs costs host
+    time: it is asked at most once, only if the tables or arguments leave it open."""
     FWD.check_flag("atomic_dq", atomic_dq)
     FWD.check_flag("warp_specialized", warp_specialized)
     gluon = functools.cache(lambda: FWD.gluon_allowed(q, k, v, warp_specialized,
@@ -443,22 +444,21 @@ def choose_paths(q, k, v, causal, sm_scale, atomic_dq, warp_specialized):
 
 
 def backward_path(q, causal, atomic_dq, warp_specialized, gluon):
-    """"gluon", "two-pass" or "atomic": the backward to run; gluon() gives
-    gluon_allowed's answer."""
+    """("gluon", "two-pass" or "atomic") twice: the backward to run eagerly, and in a
+    CUDA graph (the backward's own capture counts); gluon(): gluon_allowed's answer."""
     if atomic_dq is False:
-        return "two-pass"
+        return ("two-pass",) * 2
     if warp_specialized or atomic_dq:
-        return "gluon" if gluon() else "atomic"
-    measured = BACKWARD_PATHS.get(kit.path_key(V2.tuned_case(q, causal)), "gluon")
-    if measured == "gluon":
-        return "gluon" if gluon() else "two-pass"
-    return measured
+        return ("gluon" if gluon() else "atomic",) * 2
+    keys = (kit.path_key(V2.tuned_case(q, causal), c) for c in (False, True))
+    return tuple(("gluon" if gluon() else "two-pass") if m == "gluon" else m
+                 for m in (BACKWARD_PATHS.get(key, "gluon") for key in keys))
 
 
 class _AttentionHopper(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, sm_scale, warp_specialized, path):
-        ctx.path = path
+    def forward(ctx, q, k, v, causal, sm_scale, warp_specialized, paths):
+        ctx.paths = paths
         return FWD._AttentionHopperForward.forward(ctx, q, k, v, causal, sm_scale,
                                                    warp_specialized)
 
@@ -466,13 +466,13 @@ class _AttentionHopper(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        do = kit.resolved_gradient(do)
-        if ctx.path == "gluon":
+        do, path = kit.resolved_gradient(do), ctx.paths[kit.capturing()]
+        if path == "gluon":
             delta = V2_BWD.backward_delta(o, do)
             grads = _ws_backward(q, k, v, do, lse, delta, ctx.causal, ctx.sm_scale)
         else:
             grads = V2_BWD.backward(q, k, v, o, do, lse, ctx.causal, ctx.sm_scale,
-                                    ctx.path == "atomic")
+                                    path == "atomic")
         return *grads, None, None, None, None
 
 
@@ -485,11 +485,11 @@ def attention(q, k, v, causal, sm_scale, atomic_dq=None, warp_specialized=None):
     lesson 07's atomics elsewhere), whose last bits vary from run to run.
     ``warp_specialized``: None lets the measurement choose; True insists on the Gluon
     kernels, False asks for lessons 06 and 07's."""
-    ws, path = FWD.settled_paths(choose_paths, q, k, v, causal, sm_scale, atomic_dq,
-                                 warp_specialized)  # lesson 11: once per layout
+    ws, paths = FWD.settled_paths(choose_paths, q, k, v, causal, sm_scale, atomic_dq,
+                                  warp_specialized)  # lesson 11: once per layout
     q, k, v = kit.resolved(q, k, v)
     if FWD.needs_grad(q, k, v):
-        return _AttentionHopper.apply(q, k, v, causal, float(sm_scale), ws, path)
+        return _AttentionHopper.apply(q, k, v, causal, float(sm_scale), ws, paths)
     return FWD.forward(q, k, v, causal, float(sm_scale), ws)[0]
 
 
@@ -517,22 +517,22 @@ WS, PORTABLE, ATOMIC = FWD.WS, FWD.PORTABLE, FWD.ATOMIC
 
 
 def backward_providers(q, k, v, causal, D):
-    """The Gluon backward where it runs, and lesson 07's atomic one: the two the table
-    may pick besides the two-pass backward."""
-    scale = D**-0.5
-    providers = {(ATOMIC, "bwd"): kit.backward_timer(
-        V2_BWD.attention, q, k, v, causal=causal, sm_scale=scale, atomic_dq=True)}
+    """The default path; the Gluon backward where it runs, and lesson 07's atomic one:
+    the two the table may pick besides the two-pass backward."""
+    def call(fn, **flags):
+        return kit.backward_timer(fn, q, k, v, causal=causal, sm_scale=D**-0.5, **flags)
+
+    providers = {(ATOMIC, "bwd"): call(V2_BWD.attention, atomic_dq=True),
+                 (FWD.DEFAULT, "bwd"): call(attention)}
     if FWD.warp_specialized_unsupported(q, k, v) is None:
-        providers[WS, "bwd"] = kit.backward_timer(
-            attention, q, k, v, causal=causal, sm_scale=scale, warp_specialized=True)
+        providers[WS, "bwd"] = call(attention, warp_specialized=True)
     return providers
 
 
-def default_backward(D, causal, N):
-    """Which provider of this page ``attention`` runs by default for the backward of a
-    (B, H, N, D) fp16 input."""
+def default_backward(D, causal, N, captured=False):
+    """The provider ``attention``'s backward runs by default on (B, H, N, D) fp16."""
     q = torch.empty(1, 1, N, D, dtype=torch.float16, device=kit.DEVICE)
-    path = choose_paths(q, q, q, causal, D**-0.5, None, None)[1]
+    path = choose_paths(q, q, q, causal, D**-0.5, None, None)[1][captured]
     return {"gluon": WS, "two-pass": PORTABLE, "atomic": ATOMIC}[path]
 
 
@@ -559,15 +559,15 @@ if __name__ == "__main__":
     peers = kit.against_portable(results, peak, "lesson 07's two-pass backward")
     print(kit.spread_summary(results) if kit.ON_GPU else
           "These are interpreter timings: they measure NumPy on the CPU.")
-    defaults, paths = kit.default_path(results, default_backward, peers,
-                                       "BACKWARD_PATHS", FWD.PATHS)
+    paths = kit.default_path(results, default_backward, peers, "BACKWARD_PATHS",
+                             FWD.PATHS)
     ran = [c for c in (WS, PORTABLE, ATOMIC) if c in results["provider"].values]
     kit.save_results("14-hopper-backward-gluon", [{
         "name": "attention backward, "
         f"{'warp-specialized' if WS in ran else 'no Gluon kernel ran'}",
         "unit": "TFLOP/s", "ceiling_name": kit.MATMUL_CEILING, "ceiling": peak,
         "ours": [FWD.DEFAULT, *ran], "peers": peers,
-        "rows": results.to_dict("records") + defaults}])
+        "rows": results.to_dict("records")}])
 paths if __name__ == "__main__" else None
 
 # %%

@@ -1773,10 +1773,10 @@ def capturing():
     return ON_GPU and torch.cuda.is_current_stream_capturing()
 
 
-def path_key(case):
+def path_key(case, captured=None):
     """A key of the Hopper lessons' path tables for the tuned case `case` (None where
-    there is none): the case and whether this call is being captured."""
-    return case and (*case, capturing())
+    there is none): the case and whether the call is captured (None: this one)."""
+    return case and (*case, capturing() if captured is None else captured)
 
 
 DEFAULT_PATH = "Triton, default path"
@@ -1809,6 +1809,7 @@ def hopper_benchmark(cases, sizes, providers, mode, extra_providers, title, ours
         attention_benchmark(cases, sizes, providers, (mode,), extra_providers)
     )
     table = rate_tables(results, ATTENTION_INDEX)[0]
+    table = table.drop(columns=DEFAULT_PATH, errors="ignore")  # one of ours, again
     plot_attention(table, mode, peak, f"{title}, {TIMED_BY}", ours)
     plt.show()
     return results, peak
@@ -1845,55 +1846,81 @@ def against_portable(results, peak, portable_name):
 
 
 def default_path(results, provider_of, peers, paths, short):
-    """(rows, table): the rows of provider_of(D, causal, N), the default path of table
-    `paths`, as DEFAULT_PATH's; per case, the path (short: {provider: its short
-    name}), its rate over the fastest peer's (by GPU time) and its standing back to
-    back among our kernels. A line counts both."""
+    """The default path's table: per case where DEFAULT_PATH ran (the lesson's
+    ``attention`` as a user calls it, timed like any provider), the paths of table
+    `paths` that it takes, provider_of(D, causal, N, captured) for a call made
+    eagerly and one captured in a CUDA graph (short: {provider: its short name});
+    its rate over the fastest peer's by GPU time and back to back; and its standing
+    back to back among the other paths it could have taken. A line counts both."""
     import pandas as pd
 
     gpu, b2b = rate_tables(results, ATTENTION_INDEX)
-    spreads = results.pivot_table(
-        index=ATTENTION_INDEX, columns="provider", values="spread"
-    )
+    column = "gpu_spread" if "gpu_spread" in results else "spread"
+    spreads = {
+        name: results.pivot_table(
+            index=ATTENTION_INDEX, columns="provider", values=value
+        )
+        for name, value in (("b2b", "spread"), ("gpu", column))
+    }
+    timed = DEFAULT_PATH in b2b
+    ran = [case for case in gpu.index if timed and b2b.loc[case, DEFAULT_PATH] > 0]
     ours = [c for c in short if c in gpu]
-    path = pd.Series([provider_of(D, c, N) for D, c, _, N in gpu.index], gpu.index)
-    path = path[[p in ours and b2b.loc[case, p] > 0 for case, p in path.items()]]
+
+    def pick(case, captured):
+        return provider_of(case[0], case[1], case[3], captured)
+
+    def stood(case):
+        rates = b2b.loc[case, ours].dropna().drop(pick(case, False), errors="ignore")
+        rates = {**rates.to_dict(), DEFAULT_PATH: b2b.loc[case, DEFAULT_PATH]}
+        return standing(DEFAULT_PATH, rates, spreads["b2b"].loc[case].to_dict())
+
+    def replayed_its_pick(case):
+        """Whether its GPU time is its captured pick's within their spreads."""
+        chosen, spread = pick(case, True), spreads["gpu"].loc[case]
+        if chosen not in gpu:
+            return False
+        apart = abs(gpu.loc[case, DEFAULT_PATH] / gpu.loc[case, chosen] - 1)
+        return apart <= max(spread[DEFAULT_PATH], spread[chosen], SPREAD_LIMIT)
+
+    index = pd.MultiIndex.from_tuples(ran, names=ATTENTION_INDEX)
+    ratio = gpu.loc[ran, DEFAULT_PATH] / gpu.loc[ran, peers].max(axis=1)
+    paced = b2b.loc[ran, DEFAULT_PATH] / b2b.loc[ran, peers].max(axis=1)
     table = pd.DataFrame(
         {
-            "path": path.map(short),
-            "x fastest peer": [gpu.loc[case, p] for case, p in path.items()]
-            / gpu.loc[path.index, peers].max(axis=1),
-            "back to back": [
-                standing(
-                    p, b2b.loc[case, ours].dropna().to_dict(),
-                    spreads.loc[case].to_dict(),
-                )
-                for case, p in path.items()
-            ],
-        }
+            "path": [short.get(pick(case, False)) for case in ran],
+            "captured": [short.get(pick(case, True)) for case in ran],
+            "x fastest peer": ratio.values,
+            "x fastest peer, back to back": paced.values,
+            "back to back": [stood(case) for case in ran],
+        },
+        index,
     )
-    ratio, stood = table["x fastest peer"], table["back to back"]
+    standings = table["back to back"]
     slower = [
         f"D={D} {'causal' if c else 'non-causal'} N={N}"
-        for (D, c, _, N), s in stood.items()
+        for (D, c, _, N), s in standings.items()
         if s == "slower"
     ]
+    replayed = sum(map(replayed_its_pick, ran))
     print(
-        f"The default path ({paths}'s choice at each case; table below) ran at "
-        f"{ratio.min():.2f}x to {below_one(ratio.max())} the fastest PyTorch "
-        f"peer {TIMED_BY}, at or above it at {(ratio >= 1).sum()} of {len(ratio)} "
-        f"cases. Back to back, among {', '.join(map(short.get, ours))}, it was "
-        f"fastest at {(stood == 'fastest').sum()}, tied with the fastest within the "
-        f"spread at {(stood == 'tie').sum()} and slower past it at {len(slower)}"
+        f"The default path ({paths}'s choice at each case, timed as a user calls "
+        f"it; table below) ran at {ratio.min():.2f}x to {below_one(ratio.max())} "
+        f"the fastest PyTorch peer {TIMED_BY}, at or above it at {(ratio >= 1).sum()}"
+        f" of {len(ratio)} cases; back to back at {paced.min():.2f}x to "
+        f"{below_one(paced.max())}, at or above it at {(paced >= 1).sum()}. "
+        + (
+            f"Replayed from a CUDA graph, its GPU time was its captured pick's "
+            f"within the spread at {replayed} of {len(ran)} cases. "
+            if gpu is not b2b
+            else ""
+        )
+        + f"Back to back, against the other paths it could take, it was fastest at "
+        f"{(standings == 'fastest').sum()}, tied with the fastest within the spread "
+        f"at {(standings == 'tie').sum()} and slower past it at {len(slower)}"
         + (f" ({', '.join(slower)})" if slower else "")
-        + f" of this run's {len(stood)} cases (every length, head dim and masking)."
+        + f" of this run's {len(standings)} cases (every length, head dim and masking)."
     )
-    rows = [
-        dict(row, provider=DEFAULT_PATH)
-        for row in results.to_dict("records")
-        if path.get(tuple(row[i] for i in ATTENTION_INDEX)) == row["provider"]
-    ]
-    return rows, table.round(2)
+    return table.round(2)
 
 
 # Gluon's reductions (gl.max, gl.sum) do not compile in a process whose Triton was
