@@ -131,7 +131,7 @@ def test_default_path_shows_its_choices_per_case_and_counts_ties_as_ties(capsys)
     # Against the path it could have taken instead (portable): within Gluon's 27% spread at the first case.
     assert list(table["back to back"]) == ["tie", "slower", "slower", "slower"]
     assert table.loc[(128, False, "fwd", 1024), "x fastest peer"] == round(517 / 510, 2)
-    assert table.loc[(128, False, "fwd", 1024), "x fastest peer, back to back"] == round(375 / 533, 2)
+    assert table.loc[(128, False, "fwd", 1024), "x peer, back to back"] == round(375 / 533, 2)
     assert "fastest at 0, tied with the fastest within the spread at 1 and slower past it at 3" in line
     assert "of this run's 4 cases" in line and "at or above it at 1 of 4 cases" in line
     assert "its GPU time was its captured pick's within the spread at 4 of 4 cases" in line
@@ -150,6 +150,16 @@ def test_default_path_says_where_its_replays_did_not_run_its_captured_pick(capsy
     assert list(table["path"]) == ["Gluon", "portable", "portable", "portable"]
     assert list(table["captured"]) == ["Gluon", "portable", "Gluon", "Gluon"]
     assert "its GPU time was its captured pick's within the spread at 2 of 4 cases" in capsys.readouterr().out
+
+
+def test_default_path_under_the_interpreter_gives_one_clock(capsys):
+    """Without GPU time (the interpreter's wall time is the only clock) the table and line do not repeat it."""
+    results = _results(_with_default(CASES, lambda D, causal, N: WS)).drop(columns=["gpu_value", "gpu_spread"])
+    table = stepkit.default_path(results, lambda D, causal, N, captured: WS, [PEER], "FORWARD_PATHS", FWD.PATHS)
+    line = capsys.readouterr().out
+    assert list(table.columns) == ["path", "captured", "x fastest peer", "back to back"]
+    assert table.loc[(128, False, "fwd", 1024), "x fastest peer"] == round(375 / 533, 2)
+    assert "Replayed" not in line and "Back to back it ran" not in line
 
 
 def test_default_path_leaves_out_a_case_where_it_did_not_run(capsys):
