@@ -31,6 +31,14 @@ def test_every_page_but_the_engineering_notes_has_a_catalog():
     assert set(i18n.english_pages()) - pages == {"engineering-notes"}
 
 
+def test_publish_and_the_build_name_the_chinese_folder_alike():
+    """tools/publish.py runs without Sphinx, so it writes the edition's folder name again."""
+    import publish
+    from edition import CHINESE
+
+    assert publish.CHINESE == CHINESE and publish.SWITCHER_CHINESE == f"switcher.{CHINESE}.json"
+
+
 def _problems_of(tmp_path, message, translation, page="tutorials/01-first-kernel", fuzzy=False):
     """What the checker says of one message and its translation, in a catalog of `page`."""
     from babel.messages.catalog import Catalog

@@ -58,7 +58,9 @@ from pathlib import Path
 # At most 9 digits a part: a longer number names no real release, and thousands of digits overflow int().
 RELEASE = re.compile(r"v(0|[1-9][0-9]{0,8})\.(0|[1-9][0-9]{0,8})\.(0|[1-9][0-9]{0,8})")
 SWITCHER = "switcher.json"
-CHINESE = "zh_CN"  # the Chinese edition's folder inside each version
+# The Chinese edition's folder inside each version: docs/_ext/edition.py's CHINESE, written again because
+# this tool runs with the standard library alone, and edition.py imports Sphinx (a test ties the two).
+CHINESE = "zh_CN"
 SWITCHER_CHINESE = f"switcher.{CHINESE}.json"
 LOCK = "gh-pages-publish.lock"
 WORK = "gh-pages-publish"
