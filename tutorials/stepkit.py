@@ -1902,7 +1902,6 @@ def default_path(results, provider_of, peers, paths, short):
         for (D, c, _, N), s in standings.items()
         if s == "slower"
     ]
-    replayed = sum(map(replayed_its_pick, ran))
     print(
         f"The default path ({paths}'s choice at each case, timed as a user calls "
         f"it; table below) ran at {ratio.min():.2f}x to {below_one(ratio.max())} "
@@ -1911,8 +1910,8 @@ def default_path(results, provider_of, peers, paths, short):
         + (
             f"Back to back it ran at {paced.min():.2f}x to {below_one(paced.max())}, "
             f"at or above it at {(paced >= 1).sum()}. Replayed from a CUDA graph, "
-            f"its GPU time was its captured pick's within the spread at {replayed} "
-            f"of {len(ran)} cases. "
+            f"its GPU time was its captured pick's within the spread at "
+            f"{sum(map(replayed_its_pick, ran))} of {len(ran)} cases. "
             if clocks
             else ""
         )
