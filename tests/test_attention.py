@@ -980,6 +980,9 @@ class Compiled:
 
 def test_a_launch_plan_replays_only_the_launch_it_was_made_from(monkeypatch):
     monkeypatch.setattr(V2, "PLANS", {})
+    # bound_launcher reads Triton's CompiledKernel (a GPU test checks it): here, compiled[grid] stands in.
+    monkeypatch.setattr(stepkit, "bound_launcher", lambda compiled, grid, rest: lambda *fresh: compiled[
+        (*grid, 1, 1)[:3]](*fresh, *rest))
     kernel = RecordingKernel()
 
     def launch(x, grid=(3, 2), block=16, warps=4, key=("k",)):
@@ -1152,7 +1155,7 @@ def test_a_backward_runs_the_pick_for_its_own_capture(monkeypatch):
     monkeypatch.setattr(HOPPER.V2_BWD, "backward", lambda q, k, v, *rest: ran.append("two-pass") or (q, k, v))
     monkeypatch.setattr(HOPPER.V2_BWD, "backward_delta", lambda o, do: None)
     q, k, v = (torch.randn(1, 1, 8, 64, requires_grad=True) for _ in range(3))
-    out = HOPPER._AttentionHopper.apply(q, k, v, False, 0.125, False, ("two-pass", "gluon"))
+    out = HOPPER._AttentionHopper.apply(q, k, v, False, 0.125, False, stepkit.Settled(False), ("two-pass", "gluon"))
     for captured in (False, True):
         monkeypatch.setattr(stepkit, "capturing", lambda: captured)
         torch.autograd.grad(out, (q, k, v), torch.ones_like(out), retain_graph=True)

@@ -19,8 +19,8 @@ def cache_on(monkeypatch):
     calls that reached the path choice."""
     monkeypatch.setattr(stepkit, "ON_GPU", True)
     monkeypatch.setattr(stepkit, "capturing", lambda: False)  # no CUDA to ask here
-    monkeypatch.setattr(V2, "plan_key", lambda *ts: tuple((t.shape, t.stride(), t.dtype) for t in ts))
-    monkeypatch.setattr(FWD, "SETTLED", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(stepkit, "SETTLED", {})
     chosen = []
 
     def choose(q, k, v, causal, sm_scale, flag):
@@ -28,7 +28,7 @@ def cache_on(monkeypatch):
         chosen.append((q.dtype, causal, sm_scale, flag))
         return "path"
 
-    yield lambda *args, flag=None: FWD.settled_paths(choose, *args, flag), chosen
+    yield lambda *args, flag=None: stepkit.settled_paths(choose, *args, flag).paths, chosen
 
 
 def _qkv(shape=(1, 2, 9, 64), dtype=torch.float16):
@@ -86,17 +86,23 @@ def test_negated_views_and_subclasses_take_the_long_way_every_time(cache_on):
         settled(q, negated, v, False, 0.5)
         settled(torch.nn.Parameter(q), k, v, False, 0.5)
     assert len(chosen) == 4
-    assert FWD.settled_key(q, negated, v, False, 0.5) is None
-    assert FWD.settled_key(q, k, v, False, [0.5]) is None  # unhashable: the checks name it
+    assert stepkit.settled_key(q, negated, v, False, 0.5) is None
+
+
+def test_an_unhashable_argument_reaches_the_checks_and_nothing_is_kept(cache_on):
+    settled, chosen = cache_on
+    with pytest.raises(TypeError, match="sm_scale"):
+        settled(*_qkv(), False, [0.5])
+    assert not chosen and not stepkit.SETTLED
 
 
 def test_off_a_gpu_nothing_is_kept():
     if stepkit.ON_GPU:
         pytest.skip("a CPU fact")
     q, k, v = _qkv()
-    assert FWD.settled_key(q, k, v, True, 0.125) is None
+    assert stepkit.settled_key(q, k, v, True, 0.125) is None
     FWD.attention(q, k, v, True, 0.125)
-    assert not FWD.SETTLED
+    assert not stepkit.SETTLED
 
 
 @gpu_only
@@ -128,7 +134,7 @@ def test_a_settled_call_skips_the_checks_and_the_choice(monkeypatch):
     def refuse(*args):
         raise AssertionError("ran again")
 
-    monkeypatch.setattr(FWD.kit, "check_attention_inputs", refuse)
+    monkeypatch.setattr(stepkit, "check_attention_inputs", refuse)
     monkeypatch.setattr(FWD, "use_warp_specialized", refuse)
     assert torch.equal(FWD.attention(q.clone(), k.clone(), v.clone(), False, 0.125), first)
     with pytest.raises(AssertionError, match="ran again"):
@@ -143,3 +149,38 @@ def test_a_call_being_captured_is_settled_apart(cache_on, monkeypatch):
         monkeypatch.setattr(stepkit, "capturing", lambda: captured)
         settled(q, k, v, True, 0.125)
     assert len(chosen) == 2
+
+
+ON_HOPPER = stepkit.ON_GPU and torch.cuda.get_device_capability()[0] == 9
+
+
+@gpu_only
+@pytest.mark.parametrize("ws", [False, True] if ON_HOPPER else [False], ids=lambda ws: "gluon" if ws else "portable")
+def test_a_call_plan_gives_the_bits_of_tritons_own_launcher_on_fresh_inputs(monkeypatch, ws):
+    stepkit.SETTLED.clear()
+
+    def fresh():
+        return [torch.randn(2, 3, 333, 128, device="cuda", dtype=torch.float16) for _ in range(3)]
+
+    FWD.attention(*fresh(), False, 0.09, warp_specialized=ws)  # settles the layout, leaves its call plan
+    q, k, v = fresh()
+    V2.PLANS.clear()  # so that this forward launches through Triton's JIT and its own launcher
+    long_way = FWD.forward(q, k, v, False, 0.09, ws)[0]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("took the long way")
+
+    monkeypatch.setattr(FWD, "forward", refuse)
+    assert torch.equal(FWD.attention(q, k, v, False, 0.09, warp_specialized=ws), long_way)
+
+
+@gpu_only
+def test_a_call_plan_calls_tritons_launch_hooks_while_a_profiler_sets_them(monkeypatch):
+    import triton
+
+    q, k, v = (torch.randn(1, 2, 100, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    FWD.attention(q, k, v, False, 0.125)
+    seen = []
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", seen.append)
+    FWD.attention(q, k, v, False, 0.125)
+    assert len(seen) == 1

@@ -372,15 +372,17 @@ def tuned_case(q, causal):
 # looks the kernel up by that. All of it, and every argument besides the tensors and
 # the scale, follows from the inputs' shapes, strides, dtypes and alignment. So the
 # first call with a given layout goes through the JIT and keeps a *launch plan*: the
-# compiled kernel, its grid and those arguments; later calls with that layout pass only
-# their tensors and scale to the compiled kernel's own launcher. (Only launches with a
-# known configuration keep plans: a case the table does not cover, such as the fp8
-# inputs that lesson 11 introduces, goes through the autotuner and the JIT each time.)
+# compiled kernel's own launcher bound to its grid and those arguments
+# (``kit.bound_launcher``, which skips the device and hook lookups of Triton's); later
+# calls with that layout pass only their tensors and scale. ``planned=True`` also
+# returns a *call plan* (allocate the outputs, launch) for lesson 11 to keep per layout.
+# (A case the table does not cover, such as lesson 11's fp8 inputs, goes through the
+# autotuner and the JIT each time.)
 
 
 def autotuned(kernel, shapes, prune, key, **options):
-    """kernel under triton.autotune over shapes, for a GPU that the table does not
-    cover; None under the interpreter, which runs one configuration."""
+    """kernel under triton.autotune over shapes, for a GPU the table does not cover
+    (None under the interpreter)."""
     if not kit.ON_GPU:
         return None
     pruning = {"early_config_prune": prune}
@@ -392,7 +394,7 @@ FWD_KEY = ["D", "CAUSAL", "N_BUCKET"]
 FWD_TUNER = autotuned(attn_fwd_kernel, FWD_SHAPES, _prune_fwd, FWD_KEY)
 
 
-PLANS = {}  # plan key -> replay(*fresh arguments)
+PLANS = {}  # plan key -> launch(*fresh arguments)
 
 
 def plan_key(*tensors):
@@ -405,48 +407,42 @@ def plan_key(*tensors):
 
 
 def launch_planned(key, kernel, grid, fresh, args, constexprs, **options):
-    """kernel[grid](*args, **constexprs, **options): through Triton's JIT the first
-    time, then through the plan it leaves. The caller promises that key (plan_key of
-    the inputs) fixes the arguments after the first fresh; kernel, grid, constexprs
-    and options complete the key. Through kit.launch while kit.compile_ahead runs."""
+    """kernel[grid](*args, **constexprs, **options), through Triton's JIT the first
+    time, then through the plan it leaves and returns (None if none is kept): a
+    function of the first fresh arguments; key (plan_key of the inputs) fixes the
+    rest. Through kit.launch while kit.compile_ahead runs."""
     if key is None or kit.compiling_ahead():
         kit.launch(kernel, grid, *args, **constexprs, **options)
-        return
+        return None
     key = (kernel, key, grid, *constexprs.values(), *options.values())
-    replay = PLANS.get(key)
-    if replay is not None:
-        replay(*args[:fresh])
-        return
-    # Undocumented Triton internals, as in 3.6 and 3.9 (tests/test_attention.py checks
-    # them on a GPU): a JIT launch returns the CompiledKernel it ran, kernel.arg_names
-    # lists the parameters, and compiled[3-D grid] is the kernel's own launcher: every
-    # argument, constexprs too, by position.
+    plan = PLANS.get(key)
+    if plan is not None:
+        plan(*args[:fresh])
+        return plan
+    # Triton internals, as in 3.6 and 3.9 (tests/test_attention.py checks them on a
+    # GPU): a JIT launch returns the CompiledKernel it ran; arg_names lists parameters.
     compiled = kernel[grid](*args, **constexprs, **options)
     later = kernel.arg_names[len(args):]
     rest = (*args[fresh:], *(constexprs[name] for name in later))
-    run = compiled[(*grid, 1, 1)[:3]]
+    launch = kit.bound_launcher(compiled, grid, rest)
     if len(PLANS) >= 1024:  # a caller whose lengths keep changing would grow it forever
         PLANS.clear()
-    PLANS[key] = lambda *values: run(*values, *rest)
+    PLANS[key] = launch
+    return launch
 
 
 def _launch(kernel, tuner, name, key, case, grid, fresh, *args, **meta):
     """Run kernel with the configuration measured for this case (name: the kernel's
-    in the table), else with its tuner's pick; grid(BLOCK_M, BLOCK_N) gives the grid,
-    key and fresh are launch_planned's."""
-    if not kit.ON_GPU:
-        config = INTERPRETER_CONFIGS[name]
-    else:
-        config = TUNED_CONFIGS.get((name, *case)) if case else None
-    if config is None:
-        kit.launch(tuner, lambda m: grid(m["BLOCK_M"], m["BLOCK_N"]), *args, **meta)
-    else:
+    in the table), else with its tuner's pick; grid(BLOCK_M, BLOCK_N) gives the grid;
+    key, fresh and what it returns: launch_planned's."""
+    config = (INTERPRETER_CONFIGS[name] if not kit.ON_GPU else
+              TUNED_CONFIGS.get((name, *case)) if case else None)
+    if config is not None:
         block_m, block_n, warps, stages = config
-        launch_planned(
-            key, kernel, grid(block_m, block_n), fresh, args,
-            dict(meta, BLOCK_M=block_m, BLOCK_N=block_n),
-            num_warps=warps, num_stages=stages,
-        )
+        return launch_planned(key, kernel, grid(block_m, block_n), fresh, args,
+                              dict(meta, BLOCK_M=block_m, BLOCK_N=block_n),
+                              num_warps=warps, num_stages=stages)
+    kit.launch(tuner, lambda m: grid(m["BLOCK_M"], m["BLOCK_N"]), *args, **meta)
 
 
 def keys_contiguous(v, dtype=None):
@@ -455,24 +451,28 @@ def keys_contiguous(v, dtype=None):
     return v.to(dtype or v.dtype, memory_format=torch.contiguous_format).transpose(2, 3)
 
 
-def forward(q, k, v, causal, sm_scale):
+def forward(q, k, v, causal, sm_scale, planned=False):
     """O and LSE_2 (base-2 log-sum-exp of each row's scores, in fp32) from the
-    portable forward kernel."""
+    portable forward kernel; planned: and a call plan for this layout, or None."""
     B, H, N, D = q.shape
     # fp8 (float8_e5m2) is lesson 11's subject; it calls this launcher with fp8 inputs.
     fp8 = q.dtype == torch.float8_e5m2
-    o = torch.empty(q.shape, dtype=torch.float16 if fp8 else q.dtype, device=q.device)
-    lse = torch.empty((B * H, N), dtype=torch.float32, device=q.device)
+
+    def outputs(q):  # new_empty: fewer microseconds than torch.empty(..., device=)
+        return (q.new_empty(q.shape, dtype=torch.float16 if fp8 else q.dtype),
+                q.new_empty((B * H, N), dtype=torch.float32))
+    o, lse = outputs(q)
     if fp8 and v.stride(2) != 1 and N > 1:
         v = keys_contiguous(v)  # lesson 11, "fp8 on Hopper: the layout of V", says why
-    _launch(
+    plan = _launch(
         attn_fwd_kernel, FWD_TUNER, "fwd", plan_key(q, k, v), tuned_case(q, causal),
         lambda bm, bn: (host_cdiv(N, bm), B * H), 6,
         q, k, v, o, lse, sm_scale * LOG2E, H, N, host_next_power_of_2(N),
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         D=D, CAUSAL=causal, UPCAST_DOT=_upcast(q), NEGATIVE_SCALE=sm_scale < 0,
     )
-    return o, lse
+    plan = kit.call_plan(None if fp8 else plan, outputs, sm_scale * LOG2E)
+    return (o, lse, plan) if planned else (o, lse)
 
 
 def _upcast(q):

@@ -436,6 +436,12 @@ def _ws_descriptor(t, rows):
     return CheckedDescriptor(t, list(t.shape), list(t.stride()), box, layout)
 
 
+def _ws_operands(q, k, v, block_n=WS_BLOCK_N):
+    """The Gluon forward's TMA descriptors of q, k and v."""
+    return (_ws_descriptor(q, WS_BLOCK_M // 2), _ws_descriptor(k, block_n),
+            _ws_descriptor(v, block_n))
+
+
 @functools.lru_cache
 def _sm_count(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -448,12 +454,12 @@ def _ws_forward(q, k, v, o, lse, causal, sm_scale, programs=None, block_n=WS_BLO
     n_m = V2.host_cdiv(N, WS_BLOCK_M)
     work = (n_m + 1) // 2 * B * H if causal else n_m * B * H  # pairs of tiles, or tiles
     programs = min(programs or _sm_count(q.device.index), work)
-    descriptors = (_ws_descriptor(q, WS_BLOCK_M // 2), _ws_descriptor(k, block_n),
-                   _ws_descriptor(v, block_n))
-    # Lesson 06's launch plans; the descriptors, holding this call's tensors, are fresh.
-    V2.launch_planned(
+    # Lesson 06's launch plans (returned); the descriptors, of this call's tensors,
+    # are fresh.
+    return V2.launch_planned(
         V2.plan_key(q, k, v), attn_fwd_ws_kernel, (programs,), 6,
-        (*descriptors, o, lse, sm_scale * V2.LOG2E, H, B * H, N, *o.stride()[:3]),
+        (*_ws_operands(q, k, v, block_n), o, lse, sm_scale * V2.LOG2E, H, B * H, N,
+         *o.stride()[:3]),
         dict(D=D, CAUSAL=causal, BLOCK_M=WS_BLOCK_M, BLOCK_N=block_n,
              STAGES=stages, CONSUMER_REGISTERS=WS_CONSUMER_REGISTERS,
              LOADER_REGISTERS=WS_LOADER_REGISTERS),
@@ -483,21 +489,28 @@ def paths_table(name):
 FORWARD_PATHS = paths_table("forward-paths")
 
 
-def forward(q, k, v, causal, sm_scale, warp_specialized, programs=None):
-    """O and LSE_2 from the Gluon forward (programs: _ws_forward's), or lesson 06's."""
+def forward(q, k, v, causal, sm_scale, warp_specialized, programs=None, planned=False):
+    """O and LSE_2 from the Gluon forward (programs: _ws_forward's), or lesson 06's;
+    planned: also lesson 06's call plan for inputs laid out as these, or None."""
     if not warp_specialized:
-        return V2.forward(q, k, v, causal, sm_scale)
+        return V2.forward(q, k, v, causal, sm_scale, planned)
     B, H, N, D = q.shape
-    o = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((B * H, N), dtype=torch.float32, device=q.device)
-    _ws_forward(q, k, v, o, lse, causal, sm_scale, programs)
-    return o, lse
+
+    def outputs(q):
+        return q.new_empty(q.shape), q.new_empty((B * H, N), dtype=torch.float32)
+
+    o, lse = outputs(q)
+    plan = _ws_forward(q, k, v, o, lse, causal, sm_scale, programs)
+    if not planned:
+        return o, lse
+    return o, lse, kit.call_plan(plan, outputs, sm_scale * V2.LOG2E, _ws_operands)
 
 
 class _AttentionHopperForward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, sm_scale, warp_specialized):
-        o, lse = forward(q, k, v, causal, sm_scale, warp_specialized)
+    def forward(ctx, q, k, v, causal, sm_scale, warp_specialized, settled):
+        o, lse = kit.planned_forward(settled, forward, q, k, v, causal, sm_scale,
+                                     warp_specialized)
         ctx.causal, ctx.sm_scale = causal, sm_scale
         ctx.save_for_backward(q, k, v, o, lse)
         return o
@@ -508,7 +521,7 @@ class _AttentionHopperForward(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         grads = V2_BWD.backward(q, k, v, o, kit.resolved_gradient(do), lse, ctx.causal,
                                 ctx.sm_scale, False)
-        return *grads, None, None, None
+        return *grads, None, None, None, None
 
 
 def gluon_allowed(q, k, v, warp_specialized, sm_scale):
@@ -543,56 +556,19 @@ def use_warp_specialized(q, k, v, causal, sm_scale, warp_specialized):
 
 
 # The checks and the path read only the inputs' layout and the flags, and a model calls
-# attention with one layout step after step, on fresh tensors: ``settled_paths`` keeps
-# the path per layout that passed the checks, so later calls skip both, and a call that
-# needs no gradient skips autograd too. Lesson 13 measures what each step costs.
-SETTLED = {}  # settled_key of a call -> the path chosen for it
-
-
-def settled_key(q, k, v, *arguments):
-    """What the checks and the path read of a call: each tensor's layout and device,
-    each argument with its type (True == 1 in a key). None where a call takes the long
-    way: off a GPU, a tensor subclass or negated view, an argument no key can hold."""
-    plain = all(type(t) is torch.Tensor and not t.is_neg() for t in (q, k, v))
-    if not (kit.ON_GPU and plain):
-        return None
-    key = (V2.plan_key(q, k, v), q.device, k.device, v.device,
-           *((type(a), a) for a in arguments))
-    try:
-        hash(key)
-    except TypeError:  # an unhashable argument: the checks will name it
-        return None
-    return key
-
-
-def settled_paths(choose, q, k, v, causal, sm_scale, *flags):
-    """choose(q, k, v, causal, sm_scale, *flags) after the checks, once per
-    settled_key; later calls read SETTLED."""
-    key = settled_key(q, k, v, causal, sm_scale, kit.capturing(), *flags)
-    paths = SETTLED.get(key)
-    if paths is None:
-        kit.check_attention_inputs(q, k, v, causal, sm_scale)
-        paths = choose(*kit.resolved(q, k, v), causal, sm_scale, *flags)
-        if key is not None:
-            if len(SETTLED) >= 1024:  # as lesson 06's plans: lengths that keep changing
-                SETTLED.clear()
-            SETTLED[key] = paths
-    return paths
-
-
-def needs_grad(*tensors):
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+# attention with one layout step after step, on fresh tensors: ``kit.settled_paths``
+# keeps the path per layout that passed the checks, so later calls skip both, a call
+# that needs no gradient skips autograd too, and the first call of a layout leaves
+# lesson 06's call plan, which later calls run. Lesson 13 measures each step.
 
 
 def attention(q, k, v, causal, sm_scale, warp_specialized=None):
     """softmax(q k^T * sm_scale) v: the table's forward for the case (or the one
     warp_specialized names) and lesson 07's two-pass backward."""
-    ws = settled_paths(use_warp_specialized, q, k, v, causal, sm_scale,
-                       warp_specialized)
-    q, k, v = kit.resolved(q, k, v)
-    if needs_grad(q, k, v):
-        return _AttentionHopperForward.apply(q, k, v, causal, float(sm_scale), ws)
-    return forward(q, k, v, causal, float(sm_scale), ws)[0]
+    settled = kit.settled_paths(use_warp_specialized, q, k, v, causal, sm_scale,
+                                warp_specialized)
+    return kit.settled_call(settled, _AttentionHopperForward, forward, settled.paths,
+                            q, k, v, causal, sm_scale)
 
 
 # %%

@@ -457,10 +457,10 @@ def backward_path(q, causal, atomic_dq, warp_specialized, gluon):
 
 class _AttentionHopper(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, sm_scale, warp_specialized, paths):
+    def forward(ctx, q, k, v, causal, sm_scale, warp_specialized, settled, paths):
         ctx.paths = paths
         return FWD._AttentionHopperForward.forward(ctx, q, k, v, causal, sm_scale,
-                                                   warp_specialized)
+                                                   warp_specialized, settled)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -473,7 +473,7 @@ class _AttentionHopper(torch.autograd.Function):
         else:
             grads = V2_BWD.backward(q, k, v, o, do, lse, ctx.causal, ctx.sm_scale,
                                     path == "atomic")
-        return *grads, None, None, None, None
+        return *grads, None, None, None, None, None
 
 
 def attention(q, k, v, causal, sm_scale, atomic_dq=None, warp_specialized=None):
@@ -485,12 +485,11 @@ def attention(q, k, v, causal, sm_scale, atomic_dq=None, warp_specialized=None):
     lesson 07's atomics elsewhere), whose last bits vary from run to run.
     ``warp_specialized``: None lets the measurement choose; True insists on the Gluon
     kernels, False asks for lessons 06 and 07's."""
-    ws, paths = FWD.settled_paths(choose_paths, q, k, v, causal, sm_scale, atomic_dq,
-                                  warp_specialized)  # lesson 11: once per layout
-    q, k, v = kit.resolved(q, k, v)
-    if FWD.needs_grad(q, k, v):
-        return _AttentionHopper.apply(q, k, v, causal, float(sm_scale), ws, paths)
-    return FWD.forward(q, k, v, causal, float(sm_scale), ws)[0]
+    settled = kit.settled_paths(choose_paths, q, k, v, causal, sm_scale, atomic_dq,
+                                warp_specialized)  # as lesson 11: once per layout
+    ws, paths = settled.paths
+    return kit.settled_call(settled, _AttentionHopper, FWD.forward, ws, q, k, v, causal,
+                            sm_scale, paths)
 
 
 # %%

@@ -1779,6 +1779,127 @@ def path_key(case, captured=None):
     return case and (*case, capturing() if captured is None else captured)
 
 
+# -- Attention: a call settled once per layout -------------------------------
+# Lessons 11 and 14's `attention` checks its inputs and picks its kernels from what it
+# reads of their layout and its flags, and a model calls it with one layout step after
+# step, on fresh tensors: what follows from the layout is worked out once and kept
+# (lesson 13 measures what each step saves).
+
+SETTLED = {}  # settled_key of a call -> its Settled
+
+
+class Settled:
+    """What settled_paths keeps of a layout: the paths chosen for it, and the call
+    plan of its forward (call_plan) once a call has left one."""
+
+    __slots__ = ("paths", "plan")
+
+    def __init__(self, paths):
+        self.paths, self.plan = paths, None
+
+
+def settled_key(q, k, v, *arguments):
+    """What the checks, the paths and a call plan read of a call: the current GPU,
+    each tensor's device, shape, strides, dtype and offset from 16-byte alignment,
+    each argument with its type (True == 1 in a key). None where a call takes the
+    long way: off a GPU, a tensor subclass or negated view."""
+    if not (ON_GPU and type(q) is type(k) is type(v) is torch.Tensor) or (
+        q.is_neg() or k.is_neg() or v.is_neg()
+    ):
+        return None
+    return (
+        torch.cuda.current_device(), q.get_device(), k.get_device(), v.get_device(),
+        q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
+        q.dtype, k.dtype, v.dtype,
+        q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16,
+        tuple(map(type, arguments)), arguments,
+    )  # fmt: skip
+
+
+def settled_paths(choose, q, k, v, causal, sm_scale, *flags):
+    """The Settled of choose(q, k, v, causal, sm_scale, *flags), run after the
+    checks once per settled_key (a call being captured apart); later calls read
+    SETTLED."""
+    key = settled_key(q, k, v, causal, sm_scale, capturing(), *flags)
+    try:
+        settled = SETTLED.get(key)
+    except TypeError:  # an unhashable argument: the checks will name it
+        key = settled = None
+    if settled is None:
+        check_attention_inputs(q, k, v, causal, sm_scale)
+        settled = Settled(choose(*resolved(q, k, v), causal, sm_scale, *flags))
+        if key is not None:
+            if len(SETTLED) >= 1024:  # lengths that keep changing: start afresh
+                SETTLED.clear()
+            SETTLED[key] = settled
+    return settled
+
+
+def needs_grad(*tensors):
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def planned_forward(settled, forward, q, k, v, causal, sm_scale, ws):
+    """forward(q, k, v, causal, sm_scale, ws)'s O and LSE_2, through settled's call
+    plan, which the first call leaves (forward's planned=True)."""
+    if settled.plan is not None:
+        return settled.plan(q, k, v)
+    o, lse, settled.plan = forward(q, k, v, causal, sm_scale, ws, planned=True)
+    return o, lse
+
+
+def settled_call(settled, function, forward, ws, q, k, v, causal, sm_scale, *more):
+    """The call that settled_paths settled: function.apply(q, k, v, causal, sm_scale,
+    ws, settled, *more) where a gradient is needed, else planned_forward alone."""
+    if settled.plan is None:  # a plan is kept only for plain tensors (settled_key)
+        q, k, v = resolved(q, k, v)
+    if needs_grad(q, k, v):
+        return function.apply(q, k, v, causal, float(sm_scale), ws, settled, *more)
+    return planned_forward(settled, forward, q, k, v, causal, float(sm_scale), ws)[0]
+
+
+def call_plan(launch, outputs, qk_scale, operands=None):
+    """An attention forward's whole call on fresh inputs of one layout, or None
+    without a launch plan (lesson 06): its outputs (outputs(q)), then launch on the
+    inputs (or operands(q, k, v)), the outputs and the scale. All the rest followed
+    from the layout and was worked out once."""
+    if launch is None:
+        return None
+
+    def call(q, k, v):
+        o, lse = outputs(q)
+        if operands is None:
+            launch(q, k, v, o, lse, qk_scale)
+        else:
+            launch(*operands(q, k, v), o, lse, qk_scale)
+        return o, lse
+
+    return call
+
+
+def bound_launcher(compiled, grid, rest):
+    """A function of a launch's fresh arguments that launches compiled (a Triton
+    CompiledKernel) on grid with rest after them (constexprs too, by position), on
+    the current device, which a launch plan's key fixes. Triton's own launcher,
+    compiled[grid], looks up the device, the stream and its profiling hooks on every
+    call; this one only the stream and whether a hook is set."""
+    # Undocumented Triton internals, as in 3.6 and 3.9: compiled[grid] calls
+    # compiled.run so (tests/test_settled_calls.py checks the bits on a GPU).
+    run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+    grid, device = (*grid, 1, 1)[:3], torch.cuda.current_device()
+    stream = triton.runtime.driver.active.get_current_stream
+    hooks = triton.knobs.runtime
+
+    def launch(*fresh):
+        if hooks.launch_enter_hook or hooks.launch_exit_hook:  # a profiler listens
+            compiled[grid](*fresh, *rest)
+        else:  # without the launch metadata that only the hooks read
+            run(*grid, stream(device), function, metadata, None, None, None,
+                *fresh, *rest)  # fmt: skip
+
+    return launch
+
+
 DEFAULT_PATH = "Triton, default path"
 ATTENTION_INDEX = ["D", "causal", "mode", "N"]
 TIMED_BY = "by GPU time" if ON_GPU else "by the interpreter's wall-clock time"
