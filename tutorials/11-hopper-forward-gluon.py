@@ -430,16 +430,24 @@ class CheckedDescriptor(TensorDescriptor):
         pass
 
 
+def _ws_describer(like, rows):
+    """A function that makes the TMA descriptor for (1, 1, rows, D) boxes of a tensor
+    laid out as like, whatever its strides: all but the tensor worked out once."""
+    D = like.shape[-1]
+    layout = (list(like.shape), list(like.stride()), [1, 1, rows, D],
+              _ws_box_layout(rows, D, like.dtype))
+    return lambda t: CheckedDescriptor(t, *layout)
+
+
 def _ws_descriptor(t, rows):
-    """A TMA descriptor for (1, 1, rows, D) boxes of t, whatever its strides."""
-    box, layout = [1, 1, rows, t.shape[-1]], _ws_box_layout(rows, t.shape[-1], t.dtype)
-    return CheckedDescriptor(t, list(t.shape), list(t.stride()), box, layout)
+    return _ws_describer(t, rows)(t)
 
 
 def _ws_operands(q, k, v, block_n=WS_BLOCK_N):
-    """The Gluon forward's TMA descriptors of q, k and v."""
-    return (_ws_descriptor(q, WS_BLOCK_M // 2), _ws_descriptor(k, block_n),
-            _ws_descriptor(v, block_n))
+    """A function of (q, k, v) laid out as these: the Gluon forward's descriptors."""
+    describe = [_ws_describer(t, rows) for t, rows in
+                ((q, WS_BLOCK_M // 2), (k, block_n), (v, block_n))]
+    return lambda q, k, v: (describe[0](q), describe[1](k), describe[2](v))
 
 
 @functools.lru_cache
@@ -458,8 +466,8 @@ def _ws_forward(q, k, v, o, lse, causal, sm_scale, programs=None, block_n=WS_BLO
     # are fresh.
     return V2.launch_planned(
         V2.plan_key(q, k, v), attn_fwd_ws_kernel, (programs,), 6,
-        (*_ws_operands(q, k, v, block_n), o, lse, sm_scale * V2.LOG2E, H, B * H, N,
-         *o.stride()[:3]),
+        (*_ws_operands(q, k, v, block_n)(q, k, v), o, lse, sm_scale * V2.LOG2E, H,
+         B * H, N, *o.stride()[:3]),
         dict(D=D, CAUSAL=causal, BLOCK_M=WS_BLOCK_M, BLOCK_N=block_n,
              STAGES=stages, CONSUMER_REGISTERS=WS_CONSUMER_REGISTERS,
              LOADER_REGISTERS=WS_LOADER_REGISTERS),
@@ -503,7 +511,8 @@ def forward(q, k, v, causal, sm_scale, warp_specialized, programs=None, planned=
     plan = _ws_forward(q, k, v, o, lse, causal, sm_scale, programs)
     if not planned:
         return o, lse
-    return o, lse, kit.call_plan(plan, outputs, sm_scale * V2.LOG2E, _ws_operands)
+    return o, lse, kit.call_plan(plan, outputs, sm_scale * V2.LOG2E,
+                                 _ws_operands(q, k, v))
 
 
 class _AttentionHopperForward(torch.autograd.Function):
