@@ -49,6 +49,15 @@ def test_a_layout_is_checked_and_chosen_once_whatever_the_tensors(cache_on):
     assert len(chosen) == 7
 
 
+def test_each_choice_of_paths_is_settled_apart(cache_on):
+    # Lessons 11 and 14 keep different paths in one cache: a layout settled by one must not answer for the other.
+    settled, chosen = cache_on
+    q, k, v = _qkv()
+    settled(q, k, v, True, 0.125)
+    other = stepkit.settled_paths(lambda *args: "other path", q, k, v, True, 0.125, None)
+    assert other.paths == "other path" and settled(q, k, v, True, 0.125) == "path" and len(chosen) == 1
+
+
 @pytest.mark.parametrize("bad, error, message", [
     (dict(causal=1), TypeError, "causal must be True or False"),
     (dict(sm_scale=True), TypeError, "sm_scale"),

@@ -503,11 +503,13 @@ def host_steps(B, H, N, D, scale, sets=8):
                                 None)
     FWD.attention(*pools[0][0], False, scale)  # leaves the call plan
 
-    def before(q, k, v):  # on every call: the checks, the pick and autograd
+    def before(q, k, v):  # on every call: the checks, the pick, autograd, the forward
         kit.check_attention_inputs(q, k, v, False, scale)
         pick = FWD.use_warp_specialized(q, k, v, False, scale, None)
-        return FWD._AttentionHopperForward.apply(q, k, v, False, scale, pick,
-                                                 kit.Settled(pick))
+        unplanned = kit.Settled(pick)  # its "plan": the forward, the long way
+        unplanned.plan = functools.partial(FWD.forward, causal=False, sm_scale=scale,
+                                           warp_specialized=pick)
+        return FWD._AttentionHopperForward.apply(q, k, v, False, scale, pick, unplanned)
 
     sdpa = functools.partial(F.scaled_dot_product_attention, scale=scale)
     after = functools.partial(FWD.attention, causal=False, sm_scale=scale)

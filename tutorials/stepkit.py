@@ -1818,9 +1818,9 @@ def settled_key(q, k, v, *arguments):
 
 def settled_paths(choose, q, k, v, causal, sm_scale, *flags):
     """The Settled of choose(q, k, v, causal, sm_scale, *flags), run after the
-    checks once per settled_key (a call being captured apart); later calls read
-    SETTLED."""
-    key = settled_key(q, k, v, causal, sm_scale, capturing(), *flags)
+    checks once per settled_key (a call being captured apart, and each choose
+    apart: lessons 11 and 14 keep different paths); later calls read SETTLED."""
+    key = settled_key(q, k, v, choose, causal, sm_scale, capturing(), *flags)
     try:
         settled = SETTLED.get(key)
     except TypeError:  # an unhashable argument: the checks will name it
