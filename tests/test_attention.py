@@ -981,7 +981,7 @@ class Compiled:
 def test_a_launch_plan_replays_only_the_launch_it_was_made_from(monkeypatch):
     monkeypatch.setattr(V2, "PLANS", {})
     # bound_launcher reads Triton's CompiledKernel (a GPU test checks it): here, compiled[grid] stands in.
-    monkeypatch.setattr(stepkit, "bound_launcher", lambda compiled, grid, rest: lambda *fresh: compiled[
+    monkeypatch.setattr(stepkit, "bound_launcher", lambda compiled, grid, first, rest: lambda *fresh: compiled[
         (*grid, 1, 1)[:3]](*fresh, *rest))
     kernel = RecordingKernel()
 

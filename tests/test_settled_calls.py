@@ -144,7 +144,7 @@ def test_a_settled_call_skips_the_checks_and_the_choice(monkeypatch):
         raise AssertionError("ran again")
 
     monkeypatch.setattr(stepkit, "check_attention_inputs", refuse)
-    monkeypatch.setattr(FWD, "use_warp_specialized", refuse)
+    monkeypatch.setattr(FWD, "forward_choice", refuse)  # inside the choice (itself part of the key)
     assert torch.equal(FWD.attention(q.clone(), k.clone(), v.clone(), False, 0.125), first)
     with pytest.raises(AssertionError, match="ran again"):
         FWD.attention(q, k, v, False, 0.25)  # another scale: not settled
@@ -165,8 +165,13 @@ ON_HOPPER = stepkit.ON_GPU and torch.cuda.get_device_capability()[0] == 9
 
 @gpu_only
 @pytest.mark.parametrize("ws", [False, True] if ON_HOPPER else [False], ids=lambda ws: "gluon" if ws else "portable")
-def test_a_call_plan_gives_the_bits_of_tritons_own_launcher_on_fresh_inputs(monkeypatch, ws):
+@pytest.mark.parametrize("c_launch", [True, False], ids=["C launch", "Triton's launcher"])
+def test_a_call_plan_gives_the_bits_of_tritons_own_launcher_on_fresh_inputs(monkeypatch, ws, c_launch):
+    # Both ways a plan launches: straight into Triton 3.6's C launch, and through Triton's launcher (other versions).
     stepkit.SETTLED.clear()
+    V2.PLANS.clear()
+    if not c_launch:
+        monkeypatch.setattr(stepkit, "_c_launch", lambda *args: None)
 
     def fresh():
         return [torch.randn(2, 3, 333, 128, device="cuda", dtype=torch.float16) for _ in range(3)]
@@ -193,3 +198,62 @@ def test_a_call_plan_calls_tritons_launch_hooks_while_a_profiler_sets_them(monke
     monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", seen.append)
     FWD.attention(q, k, v, False, 0.125)
     assert len(seen) == 1
+    monkeypatch.undo()
+    chain = triton.knobs.runtime.launch_enter_hook  # a chain of hooks, as profilers add theirs (Triton 3.6, 3.9)
+    chain.add(seen.append)
+    try:
+        FWD.attention(q, k, v, False, 0.125)
+    finally:
+        chain.remove(seen.append)
+    assert len(seen) == 2
+    FWD.attention(q, k, v, False, 0.125)  # the chain empty again: no hook set
+    assert len(seen) == 2
+
+
+def test_a_launch_hook_counts_as_set_only_when_there_is_one():
+    # Triton's default hooks are empty chains, never None: taking those for a listening profiler
+    # would send every planned launch the long way.
+    from types import SimpleNamespace
+
+    import triton
+
+    def hooks(enter, leave=None):
+        return SimpleNamespace(launch_enter_hook=enter, launch_exit_hook=leave)
+
+    chain = triton.knobs.HookChain()
+    assert not stepkit.hooks_set(hooks(None)) and not stepkit.hooks_set(hooks(chain, chain))
+    assert stepkit.hooks_set(hooks(print)) and stepkit.hooks_set(hooks(None, print))
+    chain.add(print)
+    assert stepkit.hooks_set(hooks(chain)) and stepkit.hooks_set(hooks(None, chain))
+    assert not stepkit.hooks_set()  # Triton's own, here: none set
+
+
+@gpu_only
+@pytest.mark.skipif(not stepkit.ON_GPU or not __import__("triton").__version__.startswith("3.6."),
+                    reason="the C launch is bound as Triton 3.6 lays it out")
+@pytest.mark.parametrize("ws", [False, True] if ON_HOPPER else [False], ids=lambda ws: "gluon" if ws else "portable")
+def test_on_triton_3_6_a_call_plan_launches_through_the_c_function(monkeypatch, ws):
+    # Else the plans would fall back to Triton's launcher unnoticed, at twice its host time.
+    stepkit.SETTLED.clear()
+    V2.PLANS.clear()
+    bound = []
+    c_launch = stepkit._c_launch
+    monkeypatch.setattr(stepkit, "_c_launch", lambda *args: bound.append(c_launch(*args)) or bound[-1])
+    q, k, v = (torch.randn(1, 2, 300, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    FWD.attention(q, k, v, False, 0.125, warp_specialized=ws)
+    assert bound and all(direct is not None for direct in bound)
+
+
+@pytest.mark.parametrize("ws", [False, True] if ON_HOPPER else [False], ids=lambda ws: "gluon" if ws else "portable")
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_forward_that_keeps_no_lse_writes_the_same_output(ws, causal):
+    # A call needing no gradient runs the kernels with STORE_LSE off: the output must not change by a bit.
+    generator = stepkit.fresh_generator()
+    q, k, v = (torch.randn(2, 3, 77, 64, generator=generator).to(stepkit.DEVICE, torch.float16) for _ in range(3))
+    o, lse = FWD.forward(q, k, v, causal, 0.125, ws)
+    o_alone, none = FWD.forward(q, k, v, causal, 0.125, ws, keep_lse=False)
+    assert none is None and lse.shape == (6, 77) and torch.isfinite(lse).all()
+    assert torch.equal(o_alone, o)
+    stepkit.SETTLED.clear()
+    for _ in range(2):  # the first call of the layout leaves the plan that keeps no LSE_2; the second runs it
+        assert torch.equal(FWD.attention(q, k, v, causal, 0.125, warp_specialized=ws), o)

@@ -200,6 +200,7 @@ def attn_fwd_kernel(
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
     D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
     NEGATIVE_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    STORE_LSE: tl.constexpr,
 ):
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile passes an fp64 float
     # Under a causal mask, the last query block first: it has the most keys, and the
@@ -245,7 +246,8 @@ def attn_fwd_kernel(
             BLOCK_N, True, CAUSAL, NEGATIVE_SCALE,
         )
     row_ok = rows < N
-    tl.store(LSE + bh * N + rows, m_i + tl.math.log2(l_i), mask=row_ok)
+    if STORE_LSE:  # only a backward reads it: inference skips it (LSE: any pointer)
+        tl.store(LSE + bh * N + rows, m_i + tl.math.log2(l_i), mask=row_ok)
     o = acc / l_i[:, None]
     o_ptrs = O + b * sob + h * soh + rows[:, None] * son + d[None, :] * sod
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None])
@@ -367,17 +369,16 @@ def tuned_case(q, causal):
 #
 # At short lengths the host's work per call matters as much as the GPU's (lesson 13
 # measures both). One large piece is Triton's JIT dispatch: on every call it inspects
-# each of some thirty arguments for what the compiled kernel was specialized on
-# (dtypes, integers equal to 1 or divisible by 16, pointers aligned to 16 bytes), and
-# looks the kernel up by that. All of it, and every argument besides the tensors and
-# the scale, follows from the inputs' shapes, strides, dtypes and alignment. So the
-# first call with a given layout goes through the JIT and keeps a *launch plan*: the
-# compiled kernel's own launcher bound to its grid and those arguments
-# (``kit.bound_launcher``, which skips the device and hook lookups of Triton's); later
-# calls with that layout pass only their tensors and scale. ``planned=True`` also
-# returns a *call plan* (allocate the outputs, launch) for lesson 11 to keep per layout.
-# (A case the table does not cover, such as lesson 11's fp8 inputs, goes through the
-# autotuner and the JIT each time.)
+# each of some thirty arguments for what the compiled kernel was specialized on (dtypes,
+# integers equal to 1 or divisible by 16, pointers aligned to 16 bytes), and looks the
+# kernel up by that. All of it, and every argument besides the tensors and the scale,
+# follows from the inputs' shapes, strides, dtypes and alignment. So the first call with
+# a given layout goes through the JIT and keeps a *launch plan*: the compiled kernel's
+# launch bound to its grid and those arguments (``kit.bound_launcher``, which calls the
+# C function that Triton's launcher ends in); later calls with that layout pass only
+# their tensors and scale. ``planned=True`` also returns a *call plan* (allocate the
+# outputs, launch) for lesson 11 to keep per layout. (A case the table does not cover,
+# such as lesson 11's fp8 inputs, goes through the autotuner and the JIT each time.)
 
 
 def autotuned(kernel, shapes, prune, key, **options):
@@ -409,22 +410,23 @@ def plan_key(*tensors):
 def launch_planned(key, kernel, grid, fresh, args, constexprs, **options):
     """kernel[grid](*args, **constexprs, **options), through Triton's JIT the first
     time, then through the plan it leaves and returns (None if none is kept): a
-    function of the first fresh arguments; key (plan_key of the inputs) fixes the
-    rest. Through kit.launch while kit.compile_ahead runs."""
+    function of the first fresh arguments (a TMA descriptor's tensor in its place);
+    key (plan_key of the inputs) fixes the rest. Through kit.launch while
+    kit.compile_ahead runs."""
     if key is None or kit.compiling_ahead():
         kit.launch(kernel, grid, *args, **constexprs, **options)
         return None
     key = (kernel, key, grid, *constexprs.values(), *options.values())
     plan = PLANS.get(key)
     if plan is not None:
-        plan(*args[:fresh])
+        plan(*kit.undescribed(args[:fresh]))
         return plan
     # Triton internals, as in 3.6 and 3.9 (tests/test_attention.py checks them on a
     # GPU): a JIT launch returns the CompiledKernel it ran; arg_names lists parameters.
     compiled = kernel[grid](*args, **constexprs, **options)
     later = kernel.arg_names[len(args):]
     rest = (*args[fresh:], *(constexprs[name] for name in later))
-    launch = kit.bound_launcher(compiled, grid, rest)
+    launch = kit.bound_launcher(compiled, grid, args[:fresh], rest)
     if len(PLANS) >= 1024:  # a caller whose lengths keep changing would grow it forever
         PLANS.clear()
     PLANS[key] = launch
@@ -451,27 +453,27 @@ def keys_contiguous(v, dtype=None):
     return v.to(dtype or v.dtype, memory_format=torch.contiguous_format).transpose(2, 3)
 
 
-def forward(q, k, v, causal, sm_scale, planned=False):
-    """O and LSE_2 (base-2 log-sum-exp of each row's scores, in fp32) from the
-    portable forward kernel; planned: and a call plan for this layout, or None."""
+def forward(q, k, v, causal, sm_scale, planned=False, keep_lse=True):
+    """O and LSE_2 (base-2 log-sum-exp of each row's scores, in fp32; None unless
+    keep_lse) from the portable forward kernel; planned: and a call plan for this
+    layout, or None."""
     B, H, N, D = q.shape
     # fp8 (float8_e5m2) is lesson 11's subject; it calls this launcher with fp8 inputs.
     fp8 = q.dtype == torch.float8_e5m2
-
-    def outputs(q):  # new_empty: fewer microseconds than torch.empty(..., device=)
-        return (q.new_empty(q.shape, dtype=torch.float16 if fp8 else q.dtype),
-                q.new_empty((B * H, N), dtype=torch.float32))
-    o, lse = outputs(q)
+    # new_empty: fewer microseconds than torch.empty(..., device=)
+    o = q.new_empty(q.shape, dtype=torch.float16 if fp8 else q.dtype)
+    lse = q.new_empty((B * H, N), dtype=torch.float32) if keep_lse else None
     if fp8 and v.stride(2) != 1 and N > 1:
         v = keys_contiguous(v)  # lesson 11, "fp8 on Hopper: the layout of V", says why
     plan = _launch(
         attn_fwd_kernel, FWD_TUNER, "fwd", plan_key(q, k, v), tuned_case(q, causal),
         lambda bm, bn: (host_cdiv(N, bm), B * H), 6,
-        q, k, v, o, lse, sm_scale * LOG2E, H, N, host_next_power_of_2(N),
-        *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+        q, k, v, o, o if lse is None else lse, sm_scale * LOG2E, H, N,
+        host_next_power_of_2(N), *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         D=D, CAUSAL=causal, UPCAST_DOT=_upcast(q), NEGATIVE_SCALE=sm_scale < 0,
+        STORE_LSE=keep_lse,
     )
-    plan = kit.call_plan(None if fp8 else plan, outputs, sm_scale * LOG2E)
+    plan = kit.call_plan(None if fp8 else plan, (o, lse), sm_scale * LOG2E)
     return (o, lse, plan) if planned else (o, lse)
 
 
@@ -483,7 +485,7 @@ def _upcast(q):
 class _ForwardOnly(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, sm_scale):
-        return forward(q, k, v, causal, sm_scale)[0]
+        return forward(q, k, v, causal, sm_scale, keep_lse=False)[0]
 
     @staticmethod
     def backward(ctx, do):
@@ -509,9 +511,7 @@ def attention(q, k, v, causal, sm_scale):
 
 def strided_cases(B, H, N, D, keys=(False, True)):
     """{key: (q, k, v)}: fresh fp16 inputs for each key, q a transposed view."""
-    def make(*shape):
-        return torch.randn(shape, device=DEVICE, dtype=torch.float16)
-
+    make = functools.partial(torch.randn, device=DEVICE, dtype=torch.float16)
     return {key: (make(B, N, H, D).transpose(1, 2), make(B, H, N, D), make(B, H, N, D))
             for key in keys}
 

@@ -258,7 +258,8 @@ def _ws_loader(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_full, q_empty, 
 def _ws_consumer(HALF: gl.constexpr, q_smem, k_smem, v_smem, q_full, q_empty, k_full,
                  k_empty, v_full, v_empty, O, LSE, qk_scale, pid, programs, n_m, BH, H,
                  N, sob, soh, son, D: gl.constexpr, CAUSAL: gl.constexpr,
-                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 STORE_LSE: gl.constexpr):
     # One warp group's accumulator layouts for S and O; P as PV's register operand.
     s_layout: gl.constexpr = wgmma_accumulator(BLOCK_N)
     o_layout: gl.constexpr = wgmma_accumulator(D)
@@ -331,7 +332,8 @@ def _ws_consumer(HALF: gl.constexpr, q_smem, k_smem, v_smem, q_full, q_empty, k_
             used += n_blocks
             tiles += 1
             # Meanwhile the loader fills Q and K of the program's next tile.
-            gl.store(LSE + bh * N + rows, m_i + gl.log2(l_i), mask=rows < N)
+            if STORE_LSE:  # for a backward; inference skips it, as lesson 06's
+                gl.store(LSE + bh * N + rows, m_i + gl.log2(l_i), mask=rows < N)
             l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
             o = (acc / l_o[:, None]).to(O.dtype.element_ty)
             o = gl.convert_layout(o, store_layout)
@@ -358,7 +360,7 @@ def attn_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, qk_scale, H, BH, N, sob, 
                        son, D: gl.constexpr, CAUSAL: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr,
-                       LOADER_REGISTERS: gl.constexpr):
+                       LOADER_REGISTERS: gl.constexpr, STORE_LSE: gl.constexpr):
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
     n_m = gl.cdiv(N, BLOCK_M)
@@ -377,10 +379,12 @@ def attn_fwd_ws_kernel(desc_q, desc_k, desc_v, O, LSE, qk_scale, H, BH, N, sob, 
     gl.warp_specialize([
         (_ws_consumer, (0, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty,
                         v_full, v_empty, O, LSE, qk_scale, pid, programs, n_m, BH, H, N,
-                        sob, soh, son, D, CAUSAL, BLOCK_M // 2, BLOCK_N, STAGES)),
+                        sob, soh, son, D, CAUSAL, BLOCK_M // 2, BLOCK_N, STAGES,
+                        STORE_LSE)),
         (_ws_consumer, (1, q_smem, k_smem, v_smem, q_full, q_empty, k_full, k_empty,
                         v_full, v_empty, O, LSE, qk_scale, pid, programs, n_m, BH, H, N,
-                        sob, soh, son, D, CAUSAL, BLOCK_M // 2, BLOCK_N, STAGES)),
+                        sob, soh, son, D, CAUSAL, BLOCK_M // 2, BLOCK_N, STAGES,
+                        STORE_LSE)),
         (_ws_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_full, q_empty,
                       k_full, k_empty, v_full, v_empty, pid, programs, n_m, BH, H, N,
                       BLOCK_M, BLOCK_N, STAGES, CAUSAL)),
@@ -430,24 +434,11 @@ class CheckedDescriptor(TensorDescriptor):
         pass
 
 
-def _ws_describer(like, rows):
-    """A function that makes the TMA descriptor for (1, 1, rows, D) boxes of a tensor
-    laid out as like, whatever its strides: all but the tensor worked out once."""
-    D = like.shape[-1]
-    layout = (list(like.shape), list(like.stride()), [1, 1, rows, D],
-              _ws_box_layout(rows, D, like.dtype))
-    return lambda t: CheckedDescriptor(t, *layout)
-
-
 def _ws_descriptor(t, rows):
-    return _ws_describer(t, rows)(t)
-
-
-def _ws_operands(q, k, v, block_n=WS_BLOCK_N):
-    """A function of (q, k, v) laid out as these: the Gluon forward's descriptors."""
-    describe = [_ws_describer(t, rows) for t, rows in
-                ((q, WS_BLOCK_M // 2), (k, block_n), (v, block_n))]
-    return lambda q, k, v: (describe[0](q), describe[1](k), describe[2](v))
+    """The TMA descriptor for (1, 1, rows, D) boxes of t, whatever its strides."""
+    D = t.shape[-1]
+    return CheckedDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, D],
+                             _ws_box_layout(rows, D, t.dtype))
 
 
 @functools.lru_cache
@@ -462,15 +453,16 @@ def _ws_forward(q, k, v, o, lse, causal, sm_scale, programs=None, block_n=WS_BLO
     n_m = V2.host_cdiv(N, WS_BLOCK_M)
     work = (n_m + 1) // 2 * B * H if causal else n_m * B * H  # pairs of tiles, or tiles
     programs = min(programs or _sm_count(q.device.index), work)
-    # Lesson 06's launch plans (returned); the descriptors, of this call's tensors,
-    # are fresh.
+    # Lesson 06's launch plans (returned): a plan takes the tensors and describes
+    # them itself, from the layout worked out once. No lse: lesson 06's STORE_LSE.
     return V2.launch_planned(
         V2.plan_key(q, k, v), attn_fwd_ws_kernel, (programs,), 6,
-        (*_ws_operands(q, k, v, block_n)(q, k, v), o, lse, sm_scale * V2.LOG2E, H,
-         B * H, N, *o.stride()[:3]),
+        (_ws_descriptor(q, WS_BLOCK_M // 2), _ws_descriptor(k, block_n),
+         _ws_descriptor(v, block_n), o, o if lse is None else lse,
+         sm_scale * V2.LOG2E, H, B * H, N, *o.stride()[:3]),
         dict(D=D, CAUSAL=causal, BLOCK_M=WS_BLOCK_M, BLOCK_N=block_n,
              STAGES=stages, CONSUMER_REGISTERS=WS_CONSUMER_REGISTERS,
-             LOADER_REGISTERS=WS_LOADER_REGISTERS),
+             LOADER_REGISTERS=WS_LOADER_REGISTERS, STORE_LSE=lse is not None),
         num_warps=4)
 
 
@@ -497,22 +489,19 @@ def paths_table(name):
 FORWARD_PATHS = paths_table("forward-paths")
 
 
-def forward(q, k, v, causal, sm_scale, warp_specialized, programs=None, planned=False):
+def forward(q, k, v, causal, sm_scale, warp_specialized, programs=None, planned=False,
+            keep_lse=True):
     """O and LSE_2 from the Gluon forward (programs: _ws_forward's), or lesson 06's;
-    planned: also lesson 06's call plan for inputs laid out as these, or None."""
+    planned and keep_lse as lesson 06's forward."""
     if not warp_specialized:
-        return V2.forward(q, k, v, causal, sm_scale, planned)
+        return V2.forward(q, k, v, causal, sm_scale, planned, keep_lse)
     B, H, N, D = q.shape
-
-    def outputs(q):
-        return q.new_empty(q.shape), q.new_empty((B * H, N), dtype=torch.float32)
-
-    o, lse = outputs(q)
+    o = q.new_empty(q.shape)
+    lse = q.new_empty((B * H, N), dtype=torch.float32) if keep_lse else None
     plan = _ws_forward(q, k, v, o, lse, causal, sm_scale, programs)
     if not planned:
         return o, lse
-    return o, lse, kit.call_plan(plan, outputs, sm_scale * V2.LOG2E,
-                                 _ws_operands(q, k, v))
+    return o, lse, kit.call_plan(plan, (o, lse), sm_scale * V2.LOG2E)
 
 
 class _AttentionHopperForward(torch.autograd.Function):

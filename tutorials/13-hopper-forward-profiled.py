@@ -486,12 +486,14 @@ if __name__ == "__main__" and kit.ON_GPU and persistence:
 # autograd and work out its launch's arguments on every call, though all of that reads
 # only the inputs' layout and the flags. Now ``kit.settled_paths`` runs the checks and
 # the pick once per layout (a key of the layout, ``kit.settled_key``, costs a few
-# microseconds); a call needing no gradient skips autograd; and the first call of a
-# layout leaves lesson 06's *call plan*, which later calls run: the two allocations and
-# the compiled kernel's own launcher (``kit.bound_launcher``). Host microseconds per
-# call, each step apart, beside plain SDPA; each call takes the next of 8 fresh sets of
-# inputs. The call plan alone is the floor of this design: Python allocating two
-# tensors and launching through Triton's launcher.
+# microseconds); a call needing no gradient skips autograd and :math:`\mathrm{LSE}_2`
+# (lesson 06's ``STORE_LSE``); and the first call of a layout leaves lesson 06's *call
+# plan*, which later calls run: the allocations (``empty_like`` of a view with zero
+# strides: no sizes to read from Python) and a launch straight into the C function that
+# Triton's launcher ends in, the TMA descriptors' fixed parts encoded once
+# (``kit.bound_launcher``). Host microseconds per call, each step apart, beside plain
+# SDPA; each call takes the next of 8 fresh sets of inputs. The call plan alone is the
+# floor of this design: one allocation and Triton's C launch, from Python.
 
 
 def host_steps(B, H, N, D, scale, sets=8):
@@ -507,18 +509,18 @@ def host_steps(B, H, N, D, scale, sets=8):
         kit.check_attention_inputs(q, k, v, False, scale)
         pick = FWD.use_warp_specialized(q, k, v, False, scale, None)
         unplanned = kit.Settled(pick)  # its "plan": the forward, the long way
-        unplanned.plan = functools.partial(FWD.forward, causal=False, sm_scale=scale,
-                                           warp_specialized=pick)
+        unplanned.plans[True] = lambda q, k, v: FWD.forward(q, k, v, False, scale, pick)
         return FWD._AttentionHopperForward.apply(q, k, v, False, scale, pick, unplanned)
 
     sdpa = functools.partial(F.scaled_dot_product_attention, scale=scale)
     after = functools.partial(FWD.attention, causal=False, sm_scale=scale)
     forward = functools.partial(FWD.forward, causal=False, sm_scale=scale,
-                                warp_specialized=settled.paths)
+                                warp_specialized=settled.paths, keep_lse=False)
     calls = {"plain SDPA": (sdpa, 0), "every call: checks, pick, autograd": (before, 0),
              "the forward, its launch plan only": (forward, 0),
-             "the call plan alone": (settled.plan, 0), "attention, settled": (after, 0),
-             "plain SDPA, with grad": (sdpa, 1), "attention, with grad": (after, 1)}
+             "the call plan alone": (settled.plans[False], 0),
+             "attention, settled": (after, 0), "plain SDPA, with grad": (sdpa, 1),
+             "attention, with grad": (after, 1)}
     host = interleaved_host_ms({name: lambda fn=fn, sets=itertools.cycle(pools[grad]):
                                 fn(*next(sets)) for name, (fn, grad) in calls.items()})
     return {name: 1e3 * ms for name, ms in host.items()}
@@ -563,7 +565,7 @@ def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
         q, k, v, o, lse, sm_scale * V2.LOG2E, H, N, V2.host_next_power_of_2(N),
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), D=int(D), CAUSAL=causal,
         UPCAST_DOT=V2._upcast(q), NEGATIVE_SCALE=sm_scale < 0, BLOCK_M=block_m,
-        BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        BLOCK_N=block_n, STORE_LSE=True, num_warps=warps, num_stages=stages)
     return o
 
 
@@ -645,7 +647,7 @@ def compile_forward(D, BLOCK_N=FWD.WS_BLOCK_N, STAGES=FWD.WS_STAGES):
         **dict.fromkeys(["H", "BH", "N", "sob", "soh", "son"], "i32"), D=D,
         CAUSAL=True, BLOCK_M=FWD.WS_BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES,
         CONSUMER_REGISTERS=FWD.WS_CONSUMER_REGISTERS,
-        LOADER_REGISTERS=FWD.WS_LOADER_REGISTERS)
+        LOADER_REGISTERS=FWD.WS_LOADER_REGISTERS, STORE_LSE=True)
 
 
 def forward_fact(**config):

@@ -1789,13 +1789,15 @@ SETTLED = {}  # settled_key of a call -> its Settled
 
 
 class Settled:
-    """What settled_paths keeps of a layout: the paths chosen for it, and the call
-    plan of its forward (call_plan) once a call has left one."""
+    """What settled_paths keeps of a layout: the paths chosen for it, whether its
+    inputs are plain tensors (keyed by settled_key), and the call plans of its
+    forward (call_plan) that calls have left: plans[keep_lse], without LSE_2 for
+    calls that need no gradient."""
 
-    __slots__ = ("paths", "plan")
+    __slots__ = ("paths", "plain", "plans")
 
-    def __init__(self, paths):
-        self.paths, self.plan = paths, None
+    def __init__(self, paths, plain=False):
+        self.paths, self.plain, self.plans = paths, plain, [None, None]
 
 
 def settled_key(q, k, v, *arguments):
@@ -1827,7 +1829,8 @@ def settled_paths(choose, q, k, v, causal, sm_scale, *flags):
         key = settled = None
     if settled is None:
         check_attention_inputs(q, k, v, causal, sm_scale)
-        settled = Settled(choose(*resolved(q, k, v), causal, sm_scale, *flags))
+        paths = choose(*resolved(q, k, v), causal, sm_scale, *flags)
+        settled = Settled(paths, plain=key is not None)
         if key is not None:
             if len(SETTLED) >= 1024:  # lengths that keep changing: start afresh
                 SETTLED.clear()
@@ -1835,69 +1838,171 @@ def settled_paths(choose, q, k, v, causal, sm_scale, *flags):
     return settled
 
 
-def needs_grad(*tensors):
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
-def planned_forward(settled, forward, q, k, v, causal, sm_scale, ws):
-    """forward(q, k, v, causal, sm_scale, ws)'s O and LSE_2, through settled's call
-    plan, which the first call leaves (forward's planned=True)."""
-    if settled.plan is not None:
-        return settled.plan(q, k, v)
-    o, lse, settled.plan = forward(q, k, v, causal, sm_scale, ws, planned=True)
+def planned_forward(settled, forward, q, k, v, causal, sm_scale, ws, keep_lse=True):
+    """forward(q, k, v, causal, sm_scale, ws, keep_lse=keep_lse)'s O and LSE_2,
+    through settled's call plan, which the first such call leaves (planned=True)."""
+    plan = settled.plans[keep_lse]
+    if plan is not None:
+        return plan(q, k, v)
+    o, lse, settled.plans[keep_lse] = forward(q, k, v, causal, sm_scale, ws,
+                                              planned=True, keep_lse=keep_lse)
     return o, lse
 
 
 def settled_call(settled, function, forward, ws, q, k, v, causal, sm_scale, *more):
     """The call that settled_paths settled: function.apply(q, k, v, causal, sm_scale,
-    ws, settled, *more) where a gradient is needed, else planned_forward alone."""
-    if settled.plan is None:  # a plan is kept only for plain tensors (settled_key)
+    ws, settled, *more) where a gradient is needed, else planned_forward alone,
+    which keeps no LSE_2. Written out: on the path of every call."""
+    if not settled.plain:
         q, k, v = resolved(q, k, v)
-    if needs_grad(q, k, v):
+    if (q.requires_grad or k.requires_grad or v.requires_grad) and (
+        torch.is_grad_enabled()
+    ):
         return function.apply(q, k, v, causal, float(sm_scale), ws, settled, *more)
-    return planned_forward(settled, forward, q, k, v, causal, float(sm_scale), ws)[0]
+    plan = settled.plans[False]
+    if plan is not None:
+        return plan(q, k, v)[0]
+    return planned_forward(settled, forward, q, k, v, causal, float(sm_scale), ws,
+                           keep_lse=False)[0]
 
 
-def call_plan(launch, outputs, qk_scale, operands=None):
+def call_plan(launch, outputs, qk_scale):
     """An attention forward's whole call on fresh inputs of one layout, or None
-    without a launch plan (lesson 06): its outputs (outputs(q)), then launch on the
-    inputs (or operands(q, k, v)), the outputs and the scale. All the rest followed
+    without a launch plan (lesson 06): new outputs laid out as `outputs` (the first
+    call's O and LSE_2, contiguous; LSE_2 None: the kernel stores none), then
+    launch(q, k, v, O, LSE_2 or O in its place, qk_scale). All the rest followed
     from the layout and was worked out once."""
-    if launch is None:
+    o, lse = outputs
+    if launch is None or not all(t is None or t.is_contiguous() for t in outputs):
         return None
+    # empty_like of a view with zero strides allocates a contiguous tensor of its
+    # shape, with no sizes to read from Python: a few microseconds a call less.
+    o_like = o.new_empty(1).expand(o.shape)
+    if lse is None:
+        def call(q, k, v):
+            o = torch.empty_like(o_like)
+            launch(q, k, v, o, o, qk_scale)
+            return o, None
+
+        return call
+    lse_like = lse.new_empty(1).expand(lse.shape)
 
     def call(q, k, v):
-        o, lse = outputs(q)
-        if operands is None:
-            launch(q, k, v, o, lse, qk_scale)
-        else:
-            launch(*operands(q, k, v), o, lse, qk_scale)
+        o, lse = torch.empty_like(o_like), torch.empty_like(lse_like)
+        launch(q, k, v, o, lse, qk_scale)
         return o, lse
 
     return call
 
 
-def bound_launcher(compiled, grid, rest):
+def is_descriptor(argument):
+    """Whether a launch argument is a TMA descriptor (Triton's or Gluon's)."""
+    return hasattr(argument, "block_shape") and isinstance(argument.base, torch.Tensor)
+
+
+def undescribed(arguments):
+    """Launch arguments with each TMA descriptor replaced by the tensor it describes,
+    as a bound launcher takes them."""
+    return [a.base if is_descriptor(a) else a for a in arguments]
+
+
+def hooks_set(hooks=triton.knobs.runtime):
+    """Whether a profiler listens to Triton's launches: an enter or exit hook set, a
+    function or a HookChain (Triton's default, never None) that holds one."""
+    enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+    return bool(getattr(enter, "calls", enter) or getattr(leave, "calls", leave))
+
+
+def bound_launcher(compiled, grid, first, rest):
     """A function of a launch's fresh arguments that launches compiled (a Triton
     CompiledKernel) on grid with rest after them (constexprs too, by position), on
-    the current device, which a launch plan's key fixes. Triton's own launcher,
-    compiled[grid], looks up the device, the stream and its profiling hooks on every
-    call; this one only the stream and whether a hook is set."""
+    the current device, which a launch plan's key fixes. first: the first call's
+    fresh arguments; where one was a TMA descriptor, later calls pass the tensor it
+    describes (laid out as that one), and the rest of the descriptor is worked out
+    once. Triton's own launcher, compiled[grid], looks up the device, the stream and
+    its profiling hooks on every call; this one only the stream and the hooks."""
+    import dataclasses
+
     # Undocumented Triton internals, as in 3.6 and 3.9: compiled[grid] calls
     # compiled.run so (tests/test_settled_calls.py checks the bits on a GPU).
     run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
     grid, device = (*grid, 1, 1)[:3], torch.cuda.current_device()
     stream = triton.runtime.driver.active.get_current_stream
-    hooks = triton.knobs.runtime
+    redescribe = [is_descriptor(a) and a for a in first]
 
-    def launch(*fresh):
-        if hooks.launch_enter_hook or hooks.launch_exit_hook:  # a profiler listens
-            compiled[grid](*fresh, *rest)
+    def described(fresh):
+        return [dataclasses.replace(d, base=t) if d else t
+                for d, t in zip(redescribe, fresh)]  # fmt: skip
+
+    def through_triton(*fresh):
+        if hooks_set():
+            compiled[grid](*described(fresh), *rest)
         else:  # without the launch metadata that only the hooks read
             run(*grid, stream(device), function, metadata, None, None, None,
-                *fresh, *rest)  # fmt: skip
+                *described(fresh), *rest)  # fmt: skip
 
-    return launch
+    bound = _c_launch(compiled, first)
+    if bound is None:
+        return through_triton
+    c_launch, after, layouts = bound
+    n, encode = len(layouts), triton.runtime.driver.active.utils.fill_tma_descriptor
+    # Written out twice, with descriptors and without: the path of every call.
+    if not n:
+        def launch(*fresh):
+            if hooks_set():  # Triton's launcher calls the profiler's hooks
+                through_triton(*fresh)
+            else:
+                c_launch(*grid, stream(device), *after, *fresh, *rest)
+
+        return launch
+
+    def launch_described(*fresh):
+        if hooks_set():
+            through_triton(*fresh)
+        else:
+            encoded = [x for t, (fixed, tail) in zip(fresh, layouts)
+                       for x in (encode(t.data_ptr(), *fixed), *tail)]  # fmt: skip
+            c_launch(*grid, stream(device), *after, *encoded, *fresh[n:], *rest)
+
+    return launch_described
+
+
+def _c_launch(compiled, first):
+    """(c_launch, after, layouts) to launch compiled as Triton 3.6's launcher does,
+    through the C function it ends in: c_launch(*grid, stream, *after, *arguments),
+    each TMA descriptor among them encoded by fill_tma_descriptor(address, *fixed)
+    then *tail, for (fixed, tail) in layouts (those of the descriptors leading
+    `first`, a launch's fresh arguments). None where Triton's launcher is laid out
+    otherwise (other versions), or the kernel needs scratch memory."""
+    from triton.backends.nvidia import driver as cuda
+    # The launcher of Triton 3.6 (read in its source; tests/test_settled_calls.py
+    # checks the bits on a GPU), which wraps its C function in one that encodes each
+    # descriptor (make_tensordesc_arg) when the kernel takes any.
+    run = compiled.run
+    if (getattr(cuda, "_BASE_ARGS_FORMAT", None) != "iiiKKppOOOOOO"
+            or run.global_scratch_size or run.profile_scratch_size):  # fmt: skip
+        return None
+    c_launch, layouts = run.launch, []
+    n = sum(map(is_descriptor, first))
+    if n:
+        metas = getattr(compiled.metadata, "tensordesc_meta", None) or ()
+        cells = getattr(c_launch, "__closure__", None) or ()
+        names = getattr(c_launch, "__code__", None)
+        cells = dict(zip(names.co_freevars, cells)) if names else {}
+        if ("launcher" not in cells or len(metas) != n
+                or not all(map(is_descriptor, first[:n]))
+                or any(m.get("fp4_padded") for m in metas)):  # fmt: skip
+            return None
+        c_launch = cells["launcher"].cell_contents
+        for d, m in zip(first, metas):
+            element = cuda.TMA_DTYPE_DEVICE_TO_HOST[m["elem_type"]]
+            fixed = (m["swizzle"], m["elem_size"], element, m["block_size"],
+                     d.shape, d.strides, 1 if d.padding == "nan" else 0)  # fmt: skip
+            layouts.append((fixed, (*d.shape, *d.strides)))
+    # After the grid and the stream: no scratch memory, no launch metadata, no hooks.
+    after = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+             compiled.packed_metadata, None, None, None)  # fmt: skip
+    return c_launch, after, layouts
 
 
 DEFAULT_PATH = "Triton, default path"
