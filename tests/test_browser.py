@@ -2,10 +2,11 @@
 tools/publish.py, served on 127.0.0.1 and driven in headless Chromium: the root redirects to stable, the
 switcher lists both versions and lands on the same page of the other, plots load and open full size, download
 links answer, and the dev page warns that it is not the stable version. Every lesson page, Getting started and
-the performance page, at a desktop and a phone width, with every request to another host blocked: the page is
-no wider than the window, the header keeps the version switcher on one row, printed output wraps inside its
-column, a lesson's code fits its column at 1400 px (88 columns) and on a phone scrolls inside its own block,
-plots are not shipped far larger than shown, everything comes from the site itself, and the math is typeset."""
+the performance page, at a desktop, a laptop and a phone width, with every request to another host blocked: the
+page is no wider than the window, the header keeps the version switcher on one row, printed output wraps inside
+its column, a lesson's code fits its column at 1400 and 1200 px (88 columns) and on a phone scrolls inside its
+own block, plots are not shipped far larger than shown, everything comes from the site itself, and the math is
+typeset."""
 
 import functools
 import os
@@ -26,7 +27,7 @@ PAGE = f"tutorials/{LESSON}.html"
 READER_PAGES = [f"tutorials/{lesson}.html" for lesson in stems()] + ["getting-started.html", "performance.html"]
 # The Chinese edition's pages of each kind: a lesson, and the two hand-written pages.
 READER_PAGES += [f"zh_CN/{page}" for page in (PAGE, "getting-started.html", "performance.html")]
-WIDTHS = {"desktop": 1400, "phone": 390}
+WIDTHS = {"desktop": 1400, "laptop": 1200, "phone": 390}
 
 
 def find_chromium():
@@ -290,7 +291,7 @@ def test_page_reads_well_offline(served_site, browser, path, width):
 
         if path == "performance.html":
             assert page.evaluate(SUMMARY_FITS), f"the summary table scrolls sideways at {width} px"
-        if path.startswith("tutorials/") and width == WIDTHS["desktop"]:
+        if path.startswith("tutorials/") and width in (WIDTHS["desktop"], WIDTHS["laptop"]):
             # The lessons hold code to 88 columns (ruff, tutorials/ruff.toml), and the page's code font fits them.
             assert not page.evaluate(WIDE_CODE), "code blocks that scroll sideways (start, longest line)"
         if path.startswith("tutorials/") and width == WIDTHS["phone"]:
