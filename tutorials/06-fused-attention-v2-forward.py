@@ -410,14 +410,14 @@ def plan_key(*tensors):
 def launch_planned(key, kernel, grid, fresh, args, constexprs, **options):
     """kernel[grid](*args, **constexprs, **options), through Triton's JIT the first
     time, then through the plan it leaves and returns (None if none is kept): a
-    function of the first fresh arguments (a TMA descriptor's tensor in its place);
-    key (plan_key of the inputs) fixes the rest. Through kit.launch while
+    function of the first fresh arguments (for lesson 11's TMA descriptors, their
+    tensors); key (plan_key of the inputs) fixes the rest. Through kit.launch while
     kit.compile_ahead runs."""
     if key is None or kit.compiling_ahead():
         kit.launch(kernel, grid, *args, **constexprs, **options)
         return None
-    key = (kernel, key, grid, *constexprs.values(), *options.values())
-    plan = PLANS.get(key)
+    plan_id = (kernel, key, grid, *constexprs.values(), *options.values())
+    plan = PLANS.get(plan_id)
     if plan is not None:
         plan(*kit.undescribed(args[:fresh]))
         return plan
@@ -429,7 +429,7 @@ def launch_planned(key, kernel, grid, fresh, args, constexprs, **options):
     launch = kit.bound_launcher(compiled, grid, args[:fresh], rest)
     if len(PLANS) >= 1024:  # a caller whose lengths keep changing would grow it forever
         PLANS.clear()
-    PLANS[key] = launch
+    PLANS[plan_id] = launch
     return launch
 
 

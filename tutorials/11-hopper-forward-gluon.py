@@ -454,7 +454,8 @@ def _ws_forward(q, k, v, o, lse, causal, sm_scale, programs=None, block_n=WS_BLO
     work = (n_m + 1) // 2 * B * H if causal else n_m * B * H  # pairs of tiles, or tiles
     programs = min(programs or _sm_count(q.device.index), work)
     # Lesson 06's launch plans (returned): a plan takes the tensors and describes
-    # them itself, from the layout worked out once. No lse: lesson 06's STORE_LSE.
+    # them itself, from the layout worked out once. lse None: STORE_LSE off, o in
+    # its slot (lesson 06).
     return V2.launch_planned(
         V2.plan_key(q, k, v), attn_fwd_ws_kernel, (programs,), 6,
         (_ws_descriptor(q, WS_BLOCK_M // 2), _ws_descriptor(k, block_n),

@@ -1978,9 +1978,10 @@ def _c_launch(compiled, first):
     # The launcher of Triton 3.6 (read in its source; tests/test_settled_calls.py
     # checks the bits on a GPU), which wraps its C function in one that encodes each
     # descriptor (make_tensordesc_arg) when the kernel takes any.
+    if getattr(cuda, "_BASE_ARGS_FORMAT", None) != "iiiKKppOOOOOO":
+        return None
     run = compiled.run
-    if (getattr(cuda, "_BASE_ARGS_FORMAT", None) != "iiiKKppOOOOOO"
-            or run.global_scratch_size or run.profile_scratch_size):  # fmt: skip
+    if run.global_scratch_size or run.profile_scratch_size:
         return None
     c_launch, layouts = run.launch, []
     n = sum(map(is_descriptor, first))
