@@ -467,7 +467,7 @@ def forward(q, k, v, causal, sm_scale, planned=False, keep_lse=True):
         v = keys_contiguous(v)  # lesson 11, "fp8 on Hopper: the layout of V", says why
     plan = _launch(
         attn_fwd_kernel, FWD_TUNER, "fwd", plan_key(q, k, v), tuned_case(q, causal),
-        lambda bm, bn: (host_cdiv(N, bm), B * H), 6,
+        lambda bm, bn: (host_cdiv(N, bm), B * H), 6,  # fresh: q, k, v, O, LSE, scale
         q, k, v, o, o if lse is None else lse, sm_scale * LOG2E, H, N,
         host_next_power_of_2(N), *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         D=D, CAUSAL=causal, UPCAST_DOT=_upcast(q), NEGATIVE_SCALE=sm_scale < 0,
