@@ -1878,17 +1878,14 @@ def call_plan(launch, outputs, qk_scale):
     # empty_like of a view with zero strides allocates a contiguous tensor of its
     # shape, with no sizes to read from Python: a few microseconds a call less.
     o_like = o.new_empty(1).expand(o.shape)
-    if lse is None:
-        def call(q, k, v):
-            o = torch.empty_like(o_like)
-            launch(q, k, v, o, o, qk_scale)
-            return o, None
-
-        return call
-    lse_like = lse.new_empty(1).expand(lse.shape)
+    lse_like = None if lse is None else lse.new_empty(1).expand(lse.shape)
 
     def call(q, k, v):
-        o, lse = torch.empty_like(o_like), torch.empty_like(lse_like)
+        o = torch.empty_like(o_like)
+        if lse_like is None:  # the kernel stores no LSE_2: O fills its slot
+            launch(q, k, v, o, o, qk_scale)
+            return o, None
+        lse = torch.empty_like(lse_like)
         launch(q, k, v, o, lse, qk_scale)
         return o, lse
 
@@ -1946,25 +1943,16 @@ def bound_launcher(compiled, grid, first, rest):
         return through_triton
     c_launch, after, layouts = bound
     n, encode = len(layouts), triton.runtime.driver.active.utils.fill_tma_descriptor
-    # Written out twice, with descriptors and without: the path of every call.
-    if not n:
-        def launch(*fresh):
-            if hooks_set():  # Triton's launcher calls the profiler's hooks
-                through_triton(*fresh)
-            else:
-                c_launch(*grid, stream(device), *after, *fresh, *rest)
 
-        return launch
-
-    def launch_described(*fresh):
-        if hooks_set():
+    def launch(*fresh):
+        if hooks_set():  # Triton's launcher calls the profiler's hooks
             through_triton(*fresh)
-        else:
+        else:  # the n descriptors lead the fresh arguments: their tensors, encoded
             encoded = [x for t, (fixed, tail) in zip(fresh, layouts)
                        for x in (encode(t.data_ptr(), *fixed), *tail)]  # fmt: skip
             c_launch(*grid, stream(device), *after, *encoded, *fresh[n:], *rest)
 
-    return launch_described
+    return launch
 
 
 def _c_launch(compiled, first):
