@@ -160,13 +160,14 @@ def draw_backward_passes(n_blocks=8, key_block=2, query_block=5):
 figure = draw_backward_passes() if __name__ == "__main__" else None
 
 # %%
-# The kernels: the preprocess that computes :math:`\Delta` for the atomic backward, the
-# :math:`dK, dV` pass, and the :math:`dQ` pass, which the two-pass backward runs first.
+# The kernels: the preprocess that computes :math:`\Delta` for the atomic backward (and
+# clears its fp32 :math:`dQ`), the :math:`dK, dV` pass, and the :math:`dQ` pass, which
+# the two-pass backward runs first.
 
 
 @triton.jit
 def attn_bwd_preprocess_kernel(
-    O, DO, DELTA, H, N, sob, soh, son, sod, sdb, sdh, sdn, sdd,
+    O, DO, DELTA, DQ, H, N, sob, soh, son, sod, sdb, sdh, sdn, sdd,
     D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     bh = tl.program_id(1).to(tl.int64)  # b * stride can pass 2**31 elements
@@ -179,6 +180,10 @@ def attn_bwd_preprocess_kernel(
     o = tl.load(o_ptrs, mask=ok, other=0.0).to(tl.float32)
     do = tl.load(do_ptrs, mask=ok, other=0.0).to(tl.float32)
     tl.store(DELTA + bh * N + rows, tl.sum(o * do, axis=1), mask=rows < N)
+    # The same rows of the fp32 dQ that the main kernel adds into, cleared here: no
+    # launch of its own for the zeros.
+    zeros = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    tl.store(DQ + (bh * N + rows[:, None]) * D + d[None, :], zeros, mask=ok)
 
 
 @triton.jit
@@ -404,15 +409,16 @@ DQ_TUNER = V2.autotuned(attn_bwd_dq_kernel, BWD_SHAPES, _prune_bwd,
 
 
 def backward_delta(o, do):
-    """Delta = rowsum(dO * O) in fp32, shape (B * H, N): the preprocess kernel, for the
-    atomic backward and lesson 14's."""
+    """The preprocess kernel, for the atomic backward and lesson 14's: Delta =
+    rowsum(dO * O) in fp32, shape (B * H, N), and a zeroed fp32 dQ of O's shape."""
     B, H, N, D = o.shape
     delta = torch.empty((B * H, N), dtype=torch.float32, device=o.device)
+    dq = torch.empty((B, H, N, D), dtype=torch.float32, device=o.device)
     V2.launch_planned(
         V2.plan_key(o, do), attn_bwd_preprocess_kernel, (V2.host_cdiv(N, 64), B * H),
-        3, (o, do, delta, H, N, *o.stride(), *do.stride()), dict(D=D, BLOCK_M=64),
+        4, (o, do, delta, dq, H, N, *o.stride(), *do.stride()), dict(D=D, BLOCK_M=64),
     )
-    return delta
+    return delta, dq
 
 
 def backward(q, k, v, o, do, lse, causal, sm_scale, atomic_dq):
@@ -431,8 +437,7 @@ def backward(q, k, v, o, do, lse, causal, sm_scale, atomic_dq):
 
     if atomic_dq:
         # dQ is summed in fp32: adding fp16 partial sums would lose bits at every add.
-        dq = torch.zeros((B, H, N, D), dtype=torch.float32, device=q.device)
-        delta = backward_delta(o, do)
+        delta, dq = backward_delta(o, do)
     else:
         dq = torch.empty_like(dk)
         delta = torch.empty((B * H, N), dtype=torch.float32, device=q.device)
@@ -603,7 +608,7 @@ kit.rates_table(results, V2.INDEX, "TFLOP/s") if __name__ == "__main__" else Non
 # where the two-pass one has seven, would take 5/7 (0.71x) of its time. The line "atomic
 # dQ takes ... the two-pass backward's time" says what it took here. Besides its
 # products it pays for an addition into L2 for every element of :math:`dS\,K`, a
-# preprocess launch, an fp32 :math:`dQ` buffer zeroed before and cast after, and tiles
+# preprocess launch, an fp32 :math:`dQ` buffer zeroed (there) and cast after, and tiles
 # of its own (the table below), so the count of products alone does not predict the
 # winner: only the measurement does.
 

@@ -349,13 +349,13 @@ def _ws_row_descriptor(x, block_m):
                                  _WS_ROW_LAYOUT)
 
 
-def _ws_backward(q, k, v, do, lse, delta, causal, sm_scale):
-    """dQ, dK, dV from the warp-specialized kernel, dQ summed in fp32 by TMA."""
+def _ws_backward(q, k, v, do, lse, delta, dq, causal, sm_scale):
+    """dQ, dK, dV from the warp-specialized kernel, dQ summed by TMA into dq (fp32,
+    zeroed by the preprocess)."""
     B, H, N, D = q.shape
     if not FWD.tma_loadable(do):
         # Copied: do.contiguous() keeps a do off a 16-byte boundary (TMA can't load).
         do = torch.empty(do.shape, dtype=do.dtype, device=do.device).copy_(do)
-    dq = torch.zeros((B, H, N, D), dtype=torch.float32, device=q.device)
     dk = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
     dv = torch.empty_like(dk)
     block_m, half = WS_BWD_BLOCK_M[D], WS_BWD_BLOCK_N // 2
@@ -468,8 +468,9 @@ class _AttentionHopper(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         do, path = kit.resolved_gradient(do), ctx.paths[kit.capturing()]
         if path == "gluon":
-            delta = V2_BWD.backward_delta(o, do)
-            grads = _ws_backward(q, k, v, do, lse, delta, ctx.causal, ctx.sm_scale)
+            delta, dq = V2_BWD.backward_delta(o, do)
+            grads = _ws_backward(q, k, v, do, lse, delta, dq, ctx.causal,
+                                 ctx.sm_scale)
         else:
             grads = V2_BWD.backward(q, k, v, o, do, lse, ctx.causal, ctx.sm_scale,
                                     path == "atomic")
@@ -573,13 +574,13 @@ paths if __name__ == "__main__" else None
 # The host at the smallest size
 # -----------------------------
 # At the smallest size the host's share of a call is largest (lesson 13): a backward is
-# a few Python launches (two-pass: two kernels; atomic and Gluon: the preprocess, the
-# main kernel, zeroing and converting the fp32 :math:`dQ`) after PyTorch's autograd
-# engine. Lesson 13's ``pacing_rows`` sets each backward's host time, measured now,
-# beside its GPU and back-to-back times, read by ``who_paced``, and beside the host's
-# floor for a Python backward: an autograd function whose backward launches nothing, the
-# same work in every case, so its range shows how far host times drift. cuDNN's backward
-# is C++ inside PyTorch: no such round trip.
+# a few Python launches (two-pass: two kernels; atomic and Gluon: the preprocess, which
+# zeroes the fp32 :math:`dQ` too, the main kernel, :math:`dQ`'s cast) after PyTorch's
+# autograd engine. Lesson 13's ``pacing_rows`` sets each backward's host time, measured
+# now, beside its GPU and back-to-back times, read by ``who_paced``, and beside the
+# host's floor for a Python backward: an autograd function whose backward launches
+# nothing, the same work in every case, so its range shows how far host times drift.
+# cuDNN's backward is C++ inside PyTorch: no such round trip.
 
 
 class _GradientsReady(torch.autograd.Function):
