@@ -267,3 +267,54 @@ def test_a_triton_laid_out_otherwise_keeps_its_own_launcher():
     if getattr(driver, "_BASE_ARGS_FORMAT", None) == "iiiKKppOOOOOO":
         pytest.skip("Triton 3.6's launcher: the GPU tests above cover it")
     assert stepkit._c_launch(object(), []) is None
+
+
+@gpu_only
+@pytest.mark.skipif(not ON_HOPPER or not __import__("triton").__version__.startswith("3.6."),
+                    reason="the C launch encodes Gluon's descriptors itself on Triton 3.6")
+def test_a_descriptor_kept_for_an_address_describes_whatever_tensor_is_there_later(monkeypatch):
+    # A plan keeps the TMA descriptors it encoded, by address: they must serve new values at an address seen
+    # before, and addresses never seen must be encoded anew, past the bound too.
+    import triton
+
+    utils = triton.runtime.driver.active.utils
+    encoded, encode = [], utils.fill_tma_descriptor
+    monkeypatch.setattr(utils, "fill_tma_descriptor", lambda address, *rest: encoded.append(address)
+                        or encode(address, *rest))
+    stepkit.SETTLED.clear()
+    V2.PLANS.clear()
+    generator = stepkit.fresh_generator()
+
+    def fresh():
+        return [torch.randn(2, 3, 333, 128, generator=generator).to("cuda", torch.float16) for _ in range(3)]
+
+    def long_way(q, k, v):  # through Triton's JIT and its own launcher, the plans set aside
+        kept = dict(V2.PLANS)
+        V2.PLANS.clear()
+        try:
+            return FWD.forward(q, k, v, False, 0.09, True, keep_lse=False)[0]
+        finally:
+            V2.PLANS.clear()
+            V2.PLANS.update(kept)
+
+    def planned(q, k, v):
+        before = len(encoded)
+        o = FWD.attention(q, k, v, False, 0.09, warp_specialized=True)
+        return o, encoded[before:]
+
+    FWD.attention(*fresh(), False, 0.09, warp_specialized=True)  # settles the layout, leaves the plan
+    q, k, v = fresh()
+    o, new = planned(q, k, v)
+    assert sorted(new) == sorted(t.data_ptr() for t in (q, k, v))
+    assert torch.equal(o, long_way(q, k, v))
+    for t, values in zip((q, k, v), fresh()):
+        t.copy_(values)  # new values, same addresses: the kept descriptors serve
+    o, new = planned(q, k, v)
+    assert new == [] and torch.equal(o, long_way(q, k, v))
+    sets = [fresh() for _ in range(70)]  # alive together: 70 addresses each, past the 64 kept
+    for qkv in sets:
+        o, new = planned(*qkv)
+        assert len(new) == 3
+    assert torch.equal(o, long_way(*sets[-1]))
+    o, new = planned(q, k, v)  # let go when the bound was reached: encoded again, right
+    assert len(new) == 3 and torch.equal(o, long_way(q, k, v))

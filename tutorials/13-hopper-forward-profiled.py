@@ -490,10 +490,10 @@ if __name__ == "__main__" and kit.ON_GPU and persistence:
 # (lesson 06's ``STORE_LSE``); and the first call of a layout leaves lesson 06's *call
 # plan*, which later calls run: the allocations (``empty_like`` of a view with zero
 # strides: no sizes to read from Python) and a launch straight into the C function that
-# Triton's launcher ends in, the TMA descriptors' fixed parts encoded once
-# (``kit.bound_launcher``). Host microseconds per call, each step apart, beside plain
-# SDPA; each call takes the next of 8 fresh sets of inputs. The call plan alone is the
-# floor of this design: one allocation and Triton's C launch, from Python.
+# Triton's launcher ends in (``kit.bound_launcher``), each TMA descriptor encoded once
+# per address: PyTorch's allocator gives a loop's new tensors the same few blocks. Host
+# microseconds per call, each step apart, beside plain SDPA; each call takes the next of
+# 8 sets of inputs. The call plan alone: one allocation and Triton's C launch.
 
 
 def host_steps(B, H, N, D, scale, sets=8):
