@@ -1,5 +1,7 @@
 """Lesson 11's settled_paths: a call's checks and path choice run once per layout of its inputs (issue 42, item 3).
 The cache must never let through what the checks refuse, nor key on data pointers: a training step's tensors are new.
+(A call plan's TMA descriptors are kept by address, as what they are: a function of the address, once the layout is
+fixed; the last test checks that.)
 On the CPU the cache is off (the interpreter pays no launch cost); the logic is tested here with it switched on and a
 stand-in for the path choice, and on a GPU through the real attention."""
 
