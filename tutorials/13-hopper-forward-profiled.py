@@ -502,7 +502,7 @@ def host_steps(B, H, N, D, scale, sets=8):
                            requires_grad=grad) for _ in range(3)]
               for _ in range(sets)] for grad in (False, True)]  # fmt: skip
     settled = kit.settled_paths(FWD.use_warp_specialized, *pools[0][0], False, scale,
-                                None)
+                                None)  # .paths: the pick; .plans[keep_lse]: call plans
     FWD.attention(*pools[0][0], False, scale)  # leaves the call plan
 
     def before(q, k, v):  # on every call: the checks, the pick, autograd, the forward
