@@ -70,6 +70,28 @@ def test_primer_kernels_compile_for_sm90a_with_the_facts_the_page_reads():
         L.compile_mma(False, b_in_registers=True)
 
 
+@gluon.jit
+def _sum_of_rows(x_ptr, y_ptr, rows, N: gl.constexpr):
+    # One warp sums rows of N floats: the running sum, N / 32 values a thread, stays live across the loop.
+    layout: gl.constexpr = gl.BlockedLayout([N // 32], [32], [1], [0])
+    offs = gl.arange(0, N, layout)
+    total = gl.zeros([N], gl.float32, layout)
+    for r in range(rows):
+        total += gl.load(x_ptr + r * N + offs)
+    gl.store(y_ptr + offs, total)
+
+
+def test_local_memory_counts_the_spills_that_ptxas_puts_in_the_stack_frame():
+    # cuobjdump reports spills under STACK, not LOCAL: a fact read from LOCAL alone said 0 for a kernel that spills.
+    def facts(n):
+        return L.compiled_facts(L.compile_for_hopper(_sum_of_rows, num_warps=1, x_ptr="*fp32", y_ptr="*fp32",
+                                                     rows="i32", N=n))
+
+    assert facts(1024)["local"] == 0  # 32 values a thread: registers suffice
+    spilled = facts(16384)  # 512 values a thread, past the 255 registers a thread can have
+    assert spilled["registers"] <= 255 and spilled["local"] >= 4 * (512 - 255)
+
+
 def test_warp_specialize_pads_to_warp_groups_and_setmaxnreg_splits_the_budget():
     one = L.compiled_facts(L.compile_ring(1))
     assert (one["warps"], one["reqntid"]) == (8, 256)  # 4 + 1 working warps, padded to 2 warp groups

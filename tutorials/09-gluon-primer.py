@@ -128,7 +128,7 @@ def descriptor_type(shape):
 
 def compiled_facts(compiled):
     """What the compiled kernel launches with and uses, read from its metadata, its
-    PTX and (registers, local memory per thread) cuobjdump's report of the binary."""
+    PTX and cuobjdump's report of the binary (local memory: STACK, where spills go)."""
     ptx = compiled.asm["ptx"]
     found = {name: int(m[1]) if (m := re.search(rf"\.{name}\s+(\d+)", ptx)) else None
              for name in ("reqntid", "maxnreg")}
@@ -139,9 +139,9 @@ def compiled_facts(compiled):
         tool = triton.knobs.nvidia.cuobjdump.path
         usage = subprocess.run([tool, "-res-usage", binary], capture_output=True,
                                text=True, check=True).stdout
+    count = {field: int(n) for field, n in re.findall(r"(\w+):(\d+)", usage)}
     return dict(warps=compiled.metadata.num_warps, shared=compiled.metadata.shared,
-                registers=int(re.search(r"REG:(\d+)", usage)[1]),
-                local=int(re.search(r"LOCAL:(\d+)", usage)[1]), **found)
+                registers=count["REG"], local=count["STACK"] + count["LOCAL"], **found)
 
 
 def show_facts(name, compiled, instructions):
