@@ -605,12 +605,13 @@ kit.rates_table(results, V2.INDEX, "TFLOP/s") if __name__ == "__main__" else Non
 # the yardstick for which differences mean anything.
 #
 # If matrix products were all that counted, the atomic backward, with five products
-# where the two-pass one has seven, would take 5/7 (0.71x) of its time. The line "atomic
-# dQ takes ... the two-pass backward's time" says what it took here. Besides its
-# products it pays for an addition into L2 for every element of :math:`dS\,K`, a
-# preprocess launch, an fp32 :math:`dQ` buffer zeroed (there) and cast after, and tiles
-# of its own (the table below), so the count of products alone does not predict the
-# winner: only the measurement does.
+# where the two-pass one has seven, would take 5/7 (0.71x) of the two-pass backward's
+# time. The line "atomic dQ takes ... the two-pass backward's time" says what it took
+# here. Besides its products it pays for an addition into L2 for every element of each
+# key block's :math:`dS\,K` (each element of :math:`dQ` gets one from each key block it
+# sees), a preprocess launch, an fp32 :math:`dQ` buffer zeroed (there) and cast after,
+# and tiles of its own ("Which tiles ran", below), so the count of products alone does
+# not predict the winner: only the measurement does.
 
 if __name__ == "__main__":
     peers = [c for c in V2.PEERS if c in table]

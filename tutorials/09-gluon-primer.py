@@ -22,10 +22,10 @@ kernel that shows it. You will learn:
 
 Each kernel is compiled here for an H100 (``sm_90a``), which needs no GPU; the facts
 printed come from the compiled kernels, and a Hopper GPU also runs them. Gluon's API
-moves between releases: the lesson is written for Triton 3.6.0, which builds the site,
-checked with 3.9.0 (same facts), and says which names moved on another. Previous:
-:doc:`08-decode-attention`; next: :doc:`10-long-softmax-gluon`, a real kernel of
-these pieces. Triton's `Gluon tutorials
+moves between releases: the lesson is written for Triton 3.6.0, the GPU build's, checked
+with 3.9.0, the CPU build's (same facts), and says which names moved on another.
+Previous: :doc:`08-decode-attention`; next: :doc:`10-long-softmax-gluon`, a real kernel
+of these pieces. Triton's `Gluon tutorials
 <https://github.com/triton-lang/triton/tree/main/python/tutorials/gluon>`_ go further.
 """
 
@@ -34,12 +34,12 @@ these pieces. Triton's `Gluon tutorials
 # ------------------------------------------------
 # Given ``GPUTarget("cuda", 90, 32)``, ``triton.compile`` compiles for ``sm_90a`` with
 # no GPU, down to the PTX and the binary ``ptxas`` makes of it. Each kernel below
-# prints, from its ``metadata``, its PTX and its binary (read by ``cuobjdump``, shipped
-# with Triton): warps; ``.reqntid``, the threads per program the PTX promises, so
-# ``ptxas`` can plan registers for exactly that many; ``.maxnreg``, a cap on registers
-# per thread that Triton sets only in warp-specialized kernels; shared memory; registers
-# per thread; and *local memory*, per-thread DRAM where ``ptxas`` spills registers it
-# lacks (0: no spills). The interpreter cannot run Gluon: on a CPU this page compiles.
+# prints, from its ``metadata``, its PTX and its binary (by ``cuobjdump``, shipped with
+# Triton): warps; ``.reqntid``, the threads per program the PTX promises, so ``ptxas``
+# can plan registers for exactly that many; ``.maxnreg``, a cap on registers per thread
+# that Triton sets unasked only in warp-specialized kernels; shared memory; registers
+# per thread; and *local memory*, per-thread DRAM where ``ptxas`` spills registers
+# (cuobjdump's STACK; 0: no spills). A CPU only compiles them: Gluon has no interpreter.
 
 import collections
 import inspect

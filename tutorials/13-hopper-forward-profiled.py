@@ -482,18 +482,16 @@ if __name__ == "__main__" and kit.ON_GPU and persistence:
 # %%
 # Less Python per call
 # --------------------
-# Lesson 11's ``attention`` used to check its inputs, pick its forward, go through
-# autograd and work out its launch's arguments on every call, though all of that reads
-# only the inputs' layout and the flags. Now ``kit.settled_paths`` runs the checks and
-# the pick once per layout (a key of the layout, ``kit.settled_key``, costs a few
-# microseconds); a call needing no gradient skips autograd and :math:`\mathrm{LSE}_2`
-# (lesson 06's ``STORE_LSE``); and the first call of a layout leaves lesson 06's *call
-# plan*, which later calls run: the allocations (``empty_like`` of a view with zero
-# strides: no sizes to read from Python) and a launch straight into the C function that
-# Triton's launcher ends in (``kit.bound_launcher``), each TMA descriptor encoded once
-# per address: PyTorch's allocator gives a loop's new tensors the same few blocks. Host
-# microseconds per call, each step apart, beside plain SDPA; each call takes the next of
-# 8 sets of inputs. The call plan alone: one allocation and Triton's C launch.
+# Lesson 11's ``attention`` could check its inputs, pick its forward, go through
+# autograd and work out its launch's arguments on every call, as ``before`` below does;
+# all of that reads only the inputs' layout and the flags. So ``kit.settled_paths`` runs
+# the checks and the pick once per layout (keyed by ``kit.settled_key``, a few
+# microseconds); a no-grad call skips autograd and :math:`\mathrm{LSE}_2` (lesson 06's
+# ``STORE_LSE``); and a layout's first call leaves lesson 06's *call plan*, which later
+# calls run: the allocations (``empty_like`` of a zero-stride view) and a launch
+# straight into the C function at the end of Triton's launcher (``kit.bound_launcher``),
+# each TMA descriptor encoded once per address: PyTorch's allocator gives a loop's new
+# tensors the same few blocks. Below: host µs per call by step, beside plain SDPA's.
 
 
 def host_steps(B, H, N, D, scale, sets=8):
@@ -534,6 +532,8 @@ if __name__ == "__main__" and kit.ON_GPU:
           f"{steps['attention, with grad'] / steps['plain SDPA, with grad']:.2f}x "
           "(target: at most 1.5). The call plan alone took "
           f"{steps['the call plan alone'] / steps['plain SDPA']:.2f}x plain SDPA's.")
+elif __name__ == "__main__":
+    print("Host times per call are a GPU question: not measured here.")
 steps.round(1).to_frame() if __name__ == "__main__" and kit.ON_GPU else None
 
 # %%

@@ -576,11 +576,11 @@ paths if __name__ == "__main__" else None
 # At the smallest size the host's share of a call is largest (lesson 13): a backward is
 # a few Python launches (two-pass: two kernels; atomic and Gluon: the preprocess, which
 # zeroes the fp32 :math:`dQ` too, the main kernel, :math:`dQ`'s cast) after PyTorch's
-# autograd engine. Lesson 13's ``pacing_rows`` sets each backward's host time, measured
-# now, beside its GPU and back-to-back times, read by ``who_paced``, and beside the
-# host's floor for a Python backward: an autograd function whose backward launches
-# nothing, the same work in every case, so its range shows how far host times drift.
-# cuDNN's backward is C++ inside PyTorch: no such round trip.
+# autograd engine. Lesson 13's ``pacing_rows`` puts each backward's host time, measured
+# now (ours also with lesson 06's launch plans cleared), beside its GPU and back-to-back
+# times, and ``who_paced`` says which set the pace; beside them, the host's floor for a
+# Python backward: an autograd function whose backward launches nothing, the same work
+# in every case: its range shows how far host times drift. cuDNN's is C++, no Python.
 
 
 class _GradientsReady(torch.autograd.Function):
