@@ -1153,7 +1153,7 @@ def test_a_backward_runs_the_pick_for_its_own_capture(monkeypatch):
     ran = []
     monkeypatch.setattr(HOPPER, "_ws_backward", lambda q, k, v, *rest: ran.append("gluon") or (q, k, v))
     monkeypatch.setattr(HOPPER.V2_BWD, "backward", lambda q, k, v, *rest: ran.append("two-pass") or (q, k, v))
-    monkeypatch.setattr(HOPPER.V2_BWD, "backward_delta", lambda o, do: (None, None))
+    monkeypatch.setattr(HOPPER.V2_BWD, "backward_preprocess", lambda o, do: (None, None))
     q, k, v = (torch.randn(1, 1, 8, 64, requires_grad=True) for _ in range(3))
     out = HOPPER._AttentionHopper.apply(q, k, v, False, 0.125, False, stepkit.Settled(False), ("two-pass", "gluon"))
     for captured in (False, True):

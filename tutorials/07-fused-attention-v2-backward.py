@@ -382,7 +382,7 @@ def attn_bwd_dq_kernel(
 # ``BLOCK_M <= BLOCK_N``: the small block is the one walked, the large one the one
 # owned. ``attention`` checks its inputs, and an autograd function calls lesson 06's
 # forward and, when PyTorch asks for gradients, the backward. The backward is also a
-# plain function, ``backward``, and its preprocess another, ``backward_delta``: the
+# plain function, ``backward``, and its preprocess another, ``backward_preprocess``: the
 # Hopper lessons reuse them.
 
 
@@ -408,7 +408,7 @@ DQ_TUNER = V2.autotuned(attn_bwd_dq_kernel, BWD_SHAPES, _prune_bwd,
                         ["D", "CAUSAL", "N_BUCKET"])
 
 
-def backward_delta(o, do):
+def backward_preprocess(o, do):
     """The preprocess kernel, for the atomic backward and lesson 14's: Delta =
     rowsum(dO * O) in fp32, shape (B * H, N), and a zeroed fp32 dQ of O's shape."""
     B, H, N, D = o.shape
@@ -437,7 +437,7 @@ def backward(q, k, v, o, do, lse, causal, sm_scale, atomic_dq):
 
     if atomic_dq:
         # dQ is summed in fp32: adding fp16 partial sums would lose bits at every add.
-        delta, dq = backward_delta(o, do)
+        delta, dq = backward_preprocess(o, do)
     else:
         dq = torch.empty_like(dk)
         delta = torch.empty((B * H, N), dtype=torch.float32, device=q.device)

@@ -468,7 +468,7 @@ class _AttentionHopper(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         do, path = kit.resolved_gradient(do), ctx.paths[kit.capturing()]
         if path == "gluon":
-            delta, dq = V2_BWD.backward_delta(o, do)
+            delta, dq = V2_BWD.backward_preprocess(o, do)
             grads = _ws_backward(q, k, v, do, lse, delta, dq, ctx.causal,
                                  ctx.sm_scale)
         else:
