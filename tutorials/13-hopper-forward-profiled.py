@@ -179,8 +179,7 @@ elif __name__ == "__main__":
 # through Triton's JIT; and sets it beside the GPU and back-to-back times that the
 # benchmark above measured, in microseconds per call. ``who_paced`` reads the three.
 # Host times vary from machine to machine, and from one minute to the next, far more
-# than GPU times do. (The usual cures for host time are CUDA graphs, which replay a
-# whole sequence of launches at once, or more work per call.)
+# than GPU times do. Two sections below cut the host's time down, then take it out.
 
 
 def host_ms(call, calls=50, loops=5):
@@ -425,12 +424,10 @@ if __name__ == "__main__" and kit.ON_GPU:
 # one program per tile (per pair of tiles under causal masking), close to a kernel that
 # is not persistent, whose programs have nothing after their one unit of work to
 # overlap. Same kernel, same tiles (the repository's tests check that both give the same
-# bits); only the number of programs differs. The two are timed side by side in passes,
-# as the benchmark times its providers. At the longest length a tile's start and end
-# are a small part of its work, so there the two should come out close. The table, on a
-# Hopper GPU, gives both times per call and the gain: the time with one program per
-# tile over the time with one per SM, above 1 where one per SM is faster, and a range
-# where the timings spread past the kit's limit.
+# bits); only the number of programs differs. At the longest length a tile's start and
+# end are a small part of its work: there the two should come out close. The table gives
+# both times and the gain (per tile over per SM: above 1 where one per SM is faster; a
+# range where the timings spread past the kit's limit).
 
 
 def gain(per_tile, per_sm):
@@ -539,16 +536,18 @@ steps.round(1).to_frame() if __name__ == "__main__" and kit.ON_GPU else None
 # %%
 # Taking the host out: one operator, recorded once
 # ------------------------------------------------
-# Where the host paces a short call, the cure is to stop running Python on every call.
-# A *CUDA graph* records the kernels that a call launches, once, and replays them with
-# one host call; ``attention`` can be recorded as it is (the benchmark's GPU time
-# replays it so). ``torch.compile(fullgraph=True)`` goes further, tracing a whole model
-# into one graph, but it cannot trace through a launcher's Python (Triton's JIT, launch
-# plans): the forward must be one *operator*. ``torch.library.triton_op`` registers
+# Where the host paces a short call, the cure is to stop running Python on every call. A
+# *CUDA graph* records the kernels that a call launches, once, and replays them with one
+# host call; ``attention`` can be recorded as it is (the benchmark's GPU time does).
+# ``torch.compile(fullgraph=True)`` goes further, tracing a whole model into one graph,
+# but it cannot trace through a launcher's Python (Triton's JIT, launch plans): the
+# forward must be one *operator*. ``torch.library.triton_op`` registers
 # ``lessons::flash_forward``, whose body launches lesson 06's kernel through
-# ``wrap_triton``, which the compiler sees into; ``mode="reduce-overhead"`` then
-# replays the compiled graph as a CUDA graph. Forward only: under the compiler a
-# backward needs its kernels registered the same way.
+# ``wrap_triton``, which the compiler sees into; ``mode="reduce-overhead"`` then replays
+# the compiled graph as a CUDA graph that reads buffers of its own, into which each call
+# first copies its inputs (``torch._foreach_copy_``; the GPU time below sums a call's
+# kernels, copies too). A graph recorded by hand (the last row) reads the tensors it was
+# recorded with. Forward only: a compiled backward needs its kernels registered too.
 
 
 def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -610,9 +609,10 @@ if __name__ == "__main__" and kit.ON_GPU:
               f"{kit.error_summary(error)}")
     host = interleaved_host_ms(calls)
     for name, fn in calls.items():
-        kit.warm_up(fn)
-        print(f"{name:30s} host {1e3 * host[name]:6.1f}, back to back "
-              f"{1e3 * kit.back_to_back_ms(fn, 200):6.1f}")
+        kit.warm_up(fn)  # GPU: kernels alone ("##" names the compiled graph's range)
+        gpu = sum(ms for kernel, ms in kit.kernel_ms(fn).items() if kernel[:2] != "##")
+        print(f"{name:30s} host {1e3 * host[name]:6.1f}, GPU {1e3 * gpu:6.1f}, back "
+              f"to back {1e3 * kit.back_to_back_ms(fn, 200):6.1f}")
 elif __name__ == "__main__":
     print("CUDA graphs and torch.compile of a Triton operator need a GPU: the "
           "tests call lessons::flash_forward here, eagerly, against float64.")
@@ -622,11 +622,11 @@ elif __name__ == "__main__":
 # ----------------------------------------------
 # ``shared_buffers`` computes what the kernel allocates from its constexprs; the chart
 # sets it against the shared memory of the kernel compiled for ``sm_90a`` (lesson 09's
-# ``compile_for_hopper``, no GPU needed), which adds bytes that Triton allocates on
-# its own (scratch, alignment; the chart shows how many, this page does not take them
-# apart). An H100 gives a program at most 227 KiB: a third stage of 128-key tiles fits
-# at :math:`D = 64`, not at 128 (exercise 3 goes on). The warps and registers printed
-# are lesson 09's: 9 working warps (two groups of 4, a loader) padded to 3 groups.
+# ``compile_for_hopper``, no GPU needed), which adds bytes that Triton allocates on its
+# own (scratch, alignment: the chart shows how many). An H100 gives a program at most
+# 227 KiB: a third stage of 128-key tiles fits at :math:`D = 64`, not at 128 (exercise 3
+# goes on). The warps and registers printed are lesson 09's: 9 working warps (two groups
+# of 4, a loader) padded to 3 groups.
 
 
 def shared_buffers(D, block_n=FWD.WS_BLOCK_N, stages=FWD.WS_STAGES):
